@@ -1,0 +1,112 @@
+"""The records every package shares: Rollout, PolicyOutput, LossOutput.
+
+Shapes use N = samples in the batch, T = action slots per sample (tokens for text; denoising steps
+for flow models). A Rollout is the one record that flows from rollouts/ to objectives/ and train.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _index(value: Any, idx: Tensor, n: int) -> Any:
+    """Select rows `idx` of anything that is batched along its first axis (tensor, list, dataclass)."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return value[idx] if value.dim() > 0 and value.shape[0] == n else value
+    if isinstance(value, list | tuple) and len(value) == n:
+        return [value[i] for i in idx.tolist()]
+    if isinstance(value, dict):
+        return {k: _index(v, idx, n) for k, v in value.items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return replace(value, **{f.name: _index(getattr(value, f.name), idx, n) for f in fields(value)})
+    return value
+
+
+@dataclass
+class TokenBatch:
+    """The text policy's payload: prompts (left padded) and completions (right padded).
+
+    prompt_ids:      Long[N, P]   left padded with the tokenizer's pad id
+    prompt_mask:     Bool[N, P]   True on real prompt tokens
+    completion_ids:  Long[N, T]   right padded; T = longest completion in the batch
+    completion_mask: Bool[N, T]   True on generated tokens (EOS included, padding excluded)
+    truncated:       Bool[N]      True where generation hit max_new_tokens without stopping
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+
+    @property
+    def lengths(self) -> Tensor:  # Long[N]
+        return self.completion_mask.sum(-1)
+
+
+@dataclass
+class Rollout:
+    """A batch of N sampled trajectories, grouped by `group_ids`.
+
+    group_ids:    Long[N]           samples with the same id share a prompt / initial state
+    rewards:      dict[str, Float[N]] one entry per reward function, unweighted; NaN = no reward
+                                    (the function failed on that sample: excluded from statistics)
+    actions:      policy payload    TokenBatch for text; latents for flow models
+    old_logp:     Float[N, T]       log-prob of each action under the policy that sampled it
+    mask:         Bool[N, T]        which action slots count in the loss
+    engine_logp:  Float[N, T]|None  log-probs reported by the inference engine (mismatch correction)
+    ref_logp:     Float[N, T]|None  log-probs under the frozen reference (filled when KL is on)
+    advantages:   Float[N]|Float[N,T]|None  filled by train.py after scoring
+    step_ids / step_rewards / anchor_keys: multi-turn extras (agents)
+    info:         dict of per-sample lists (prompt text, completion text, answers ...)
+    """
+
+    group_ids: Tensor
+    rewards: dict[str, Tensor]
+    actions: Any
+    old_logp: Tensor
+    mask: Tensor
+    engine_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    advantages: Tensor | None = None
+    step_ids: Tensor | None = None
+    step_rewards: Tensor | None = None
+    anchor_keys: list | None = None
+    info: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    def select(self, idx: Tensor | list[int]) -> Rollout:
+        """Rows `idx` of every batched field (used for minibatches and dynamic-sampling filters)."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        n = len(self)
+        return Rollout(**{f.name: _index(getattr(self, f.name), idx, n) for f in fields(self)})
+
+
+@dataclass
+class PolicyOutput:
+    """What `Policy.log_probs` returns for a minibatch of n samples.
+
+    logp:    Float[n, T]   differentiable log-prob of each taken action
+    entropy: Float[n, T]|None  entropy of the action distribution at each slot (detached is fine)
+    extras:  modality-specific tensors (e.g. the Gaussian mean for flow policies)
+    """
+
+    logp: Tensor
+    entropy: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class LossOutput:
+    """A scalar loss to back-propagate plus detached float metrics for logging."""
+
+    loss: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
