@@ -1,0 +1,28 @@
+"""Shared pytest fixtures (stable names; other test files rely on them).
+
+- `tiny_model_dir`: path (pathlib.Path) of a saved tiny Qwen2 + char tokenizer
+  (grouprl.policies.tiny.save_tiny with default sizes, seed 0); session-scoped, read-only by convention.
+- `tiny_tokenizer`: a fresh `char_tokenizer()` (function-scoped, cheap).
+- `tiny_model`: a fresh fp32 `tiny_qwen2(char_tokenizer())` in eval mode (function-scoped, seed 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grouprl.policies.tiny import char_tokenizer, save_tiny, tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tiny_tokenizer):
+    return tiny_qwen2(tiny_tokenizer)
