@@ -1,0 +1,54 @@
+"""Reward functions: the built-in registry, user functions ("module:function") and batched scoring.
+
+`build_reward(name, **options)` returns a batched reward function
+`fn(completions, **columns) -> list[float | None]`; see `loading` for the calling protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from grouprl.envs.rewards.loading import (
+    RewardFn,
+    call_with_options,
+    load_reward_fn,
+    score_completions,
+)
+from grouprl.envs.rewards.text import accuracy_reward, format_reward, length_reward, overlong_reward
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "overlong": overlong_reward,
+    "length": length_reward,
+}
+
+
+def build_reward(name: str, **options: Any) -> RewardFn:
+    """A built-in reward by registry name, or a user function given as "module:function"."""
+    if name in REWARDS:
+        return call_with_options(REWARDS[name], options, f"reward {name!r}")
+    if ":" in name:
+        if options:
+            raise ValueError(
+                f"user reward function {name!r} takes no options, got {sorted(options)}"
+            )
+        return load_reward_fn(name)
+    raise ValueError(
+        f"unknown reward {name!r}; built-ins: {list(REWARDS)}, or a user function "
+        "'package.module:function' / 'path/to/file.py:function'"
+    )
+
+
+__all__ = [
+    "REWARDS",
+    "RewardFn",
+    "accuracy_reward",
+    "build_reward",
+    "format_reward",
+    "length_reward",
+    "load_reward_fn",
+    "overlong_reward",
+    "score_completions",
+]

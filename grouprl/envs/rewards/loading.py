@@ -1,0 +1,230 @@
+"""The reward-function protocol: loading user functions, building with options, batched scoring.
+
+Protocol: `fn(completions: list[str], **columns) -> list[float | None]`, called ONCE per batch.
+The caller passes `prompts`, `completion_lengths` (tokens), `truncated`, `max_new_tokens` and every
+example column repeated per completion (e.g. `answer=[...]`). None means "no reward for this sample"
+and becomes NaN, which the advantage code excludes from its statistics.
+
+`score_completions` isolates failures: when a batched call raises, each sample is retried alone so
+one bad completion costs one NaN (counted in `errors`), not the whole step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# fn(completions, **columns) -> one float (or None = "no reward for this sample") per completion.
+RewardFn = Callable[..., list[float | None]]
+
+
+def call_with_options(factory: Callable[..., Any], options: Mapping[str, Any], what: str) -> Any:
+    """`factory(**options)`, failing with the allowed option names when one is unknown."""
+    params = inspect.signature(factory).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        allowed = [
+            p.name
+            for p in params
+            if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for {what}; allowed: {allowed}")
+    return factory(**options)
+
+
+def column(columns: Mapping[str, Any], name: str, n: int, reward: str) -> Sequence[Any]:
+    """The per-completion column `name` (length n); a missing column names the ones present."""
+    if name not in columns:
+        raise KeyError(
+            f"reward {reward!r} needs the column {name!r}; columns passed: {sorted(columns)}"
+        )
+    values = columns[name]
+    if len(values) != n:
+        raise ValueError(
+            f"reward {reward!r}: column {name!r} has {len(values)} rows for {n} completions"
+        )
+    return values
+
+
+def _load_module(module_part: str, spec: str) -> Any:
+    """Import `module_part`, a dotted module name or a path to a .py file."""
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+        # A stable, unique module name per file so pickling and re-loading behave.
+        name = f"grouprl_user_reward_{abs(hash(str(path)))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"reward function {spec!r}: cannot load {str(path)!r} as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"reward function {spec!r}: cannot import module {module_part!r} ({exc})"
+        ) from exc
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Load a user reward function from "package.module:function" or "path/to/file.py:function"."""
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise ValueError(
+            f"reward function {spec!r} must look like 'package.module:function' or "
+            "'path/to/file.py:function'"
+        )
+    module_part, attr = spec.rsplit(":", 1)
+    if not module_part or not attr:
+        raise ValueError(
+            f"reward function {spec!r}: both the module and the function name are needed"
+        )
+    module = _load_module(module_part, spec)
+    if not hasattr(module, attr):
+        public = sorted(
+            n for n in vars(module) if callable(getattr(module, n)) and not n.startswith("_")
+        )
+        raise AttributeError(
+            f"reward function {spec!r}: module {module_part!r} has no attribute {attr!r}; "
+            f"callables there: {public}"
+        )
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TypeError(
+            f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not callable"
+        )
+    return fn
+
+
+def _batched_kwargs(examples: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> dict:
+    """Example columns as per-completion lists ("prompt" -> "prompts"), plus `extra` as given."""
+    keys: list[str] = []
+    for ex in examples:
+        keys.extend(k for k in ex if k not in keys)
+    kwargs = {("prompts" if k == "prompt" else k): [ex.get(k) for ex in examples] for k in keys}
+    clash = sorted(set(kwargs) & set(extra)) + (["completions"] if "completions" in kwargs else [])
+    if clash:
+        raise ValueError(f"example columns {clash} clash with names the reward call reserves")
+    kwargs.update(extra)
+    return kwargs
+
+
+def _row(kwargs: Mapping[str, Any], i: int, n: int) -> dict:
+    """Sample i's slice of the kwargs: lists/tuples/tensors of length n are per-sample, rest shared."""
+    out = {}
+    for k, v in kwargs.items():
+        per_sample = isinstance(v, list | tuple) or (isinstance(v, Tensor) and v.dim() > 0)
+        out[k] = v[i : i + 1] if per_sample and len(v) == n else v
+    return out
+
+
+def _check_values(name: str, values: Any, n: int, offset: int = 0) -> list[float | None]:
+    """Values as floats/None; a wrong length or a non-finite / non-number value is an error."""
+    if isinstance(values, Tensor):
+        values = values.tolist()
+    if not isinstance(values, list | tuple):
+        raise TypeError(f"reward function {name!r} must return a list, got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(
+            f"reward function {name!r} returned {len(values)} values for {n} completions"
+        )
+    out: list[float | None] = []
+    for j, v in enumerate(values):
+        if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(float(v))):
+            raise ValueError(
+                f"reward function {name!r} returned {v!r} for sample {offset + j}; "
+                "each value must be a finite number or None"
+            )
+        out.append(None if v is None else float(v))
+    return out
+
+
+def score_completions(
+    reward_fns: Mapping[str, RewardFn],
+    completions: Sequence[str],
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    fail_fast: bool = False,
+) -> tuple[dict[str, Tensor], dict[str, int]]:
+    """Score N completions with every reward function; returns (rewards, errors).
+
+    examples: one example dict per completion (already repeated G times per group), so row i of
+              every column belongs to completions[i]. Its "prompt" column is passed as `prompts`.
+    extra:    keyword arguments passed through, e.g. completion_lengths, truncated, max_new_tokens;
+              lists / tuples / tensors of length N are treated as per-sample when retrying.
+    rewards:  name -> Float[N] (float32), NaN where the function gave None or failed.
+    errors:   name -> number of samples on which the function raised.
+    With fail_fast, the first failure is re-raised (original type) with a note naming the
+    function and the sample index.
+    """
+    n = len(completions)
+    if len(examples) != n:
+        raise ValueError(f"score_completions: {len(examples)} examples for {n} completions")
+    completions = list(completions)
+    kwargs = _batched_kwargs(examples, extra or {})
+    rewards: dict[str, Tensor] = {}
+    errors: dict[str, int] = {}
+    for name, fn in reward_fns.items():
+        errors[name] = 0
+        try:
+            raw = fn(completions, **kwargs)
+        except Exception as exc:
+            values, errors[name] = _retry_each(name, fn, completions, kwargs, exc, fail_fast)
+        else:
+            values = _check_values(name, raw, n)  # a contract violation raises: it is a bug
+        rewards[name] = torch.tensor(  # [N]
+            [math.nan if v is None else v for v in values], dtype=torch.float32
+        )
+    return rewards, errors
+
+
+def _retry_each(
+    name: str,
+    fn: RewardFn,
+    completions: list[str],
+    kwargs: dict,
+    batch_exc: Exception,
+    fail_fast: bool,
+) -> tuple[list[float | None], int]:
+    """After a batched call raised: call fn on each sample alone; failures become None."""
+    n = len(completions)
+    values: list[float | None] = []
+    failed = 0
+    for i in range(n):
+        try:
+            raw = fn(completions[i : i + 1], **_row(kwargs, i, n))
+        except Exception as exc:
+            if fail_fast:
+                exc.add_note(f"raised by reward function {name!r} on sample {i}")
+                raise
+            values.append(None)
+            failed += 1
+        else:
+            values += _check_values(name, raw, 1, offset=i)
+    if fail_fast and failed == 0:
+        # Every sample passes alone, so the batch itself is the problem: report that.
+        batch_exc.add_note(
+            f"raised by reward function {name!r} on the batch of {n} (no single sample fails)"
+        )
+        raise batch_exc
+    return values, failed

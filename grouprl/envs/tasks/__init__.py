@@ -1,0 +1,29 @@
+"""Single-turn tasks: a registry of factories, `build_task(name, **options) -> TaskData`.
+
+A task is examples (dicts with "prompt" and the task's columns) plus reward functions. Options come
+from the config's `task:` section; each factory's docstring lists them. A new task is a factory
+function plus one line in TASKS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from grouprl.envs.rewards.loading import call_with_options
+from grouprl.envs.tasks.arithmetic import build_arithmetic
+from grouprl.envs.tasks.base import RewardFn, TaskData
+
+TASKS: dict[str, Callable[..., TaskData]] = {
+    "arithmetic": build_arithmetic,
+}
+
+
+def build_task(name: str, **options: Any) -> TaskData:
+    """Build the registered task `name` with `options` (unknown names / options fail clearly)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {list(TASKS)}")
+    return call_with_options(TASKS[name], options, f"task {name!r}")
+
+
+__all__ = ["TASKS", "RewardFn", "TaskData", "build_task"]
