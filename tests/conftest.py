@@ -4,13 +4,19 @@
   (grouprl.policies.tiny.save_tiny with default sizes, seed 0); session-scoped, read-only by convention.
 - `tiny_tokenizer`: a fresh `char_tokenizer()` (function-scoped, cheap).
 - `tiny_model`: a fresh fp32 `tiny_qwen2(char_tokenizer())` in eval mode (function-scoped, seed 0).
+
+Tests use one intra-op thread: the models are tiny, and on a small shared CPU extra threads
+mostly spin against each other (a 64-wide matmul got ~50x slower under load with 2 threads).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grouprl.policies.tiny import char_tokenizer, save_tiny, tiny_qwen2
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

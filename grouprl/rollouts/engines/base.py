@@ -1,0 +1,90 @@
+"""What every text engine takes and returns: SamplingParams -> GenerationOutput, and the protocol.
+
+Group size is not a sampling parameter here: callers repeat each prompt G times, so an engine only
+ever sees a flat list of prompts and returns one completion per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion per prompt.
+
+    temperature:    logits are divided by it before sampling (> 0; use greedy=True for argmax)
+    top_p:          nucleus sampling mass in (0, 1]; 1 = off
+    top_k:          keep the k most likely tokens; 0 = off
+    max_new_tokens: completion budget; a completion that uses it all without stopping is "truncated"
+    stop:           stop strings; the completion keeps the tokens up to and including the stop string
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be > 0, got {self.temperature} "
+                "(for argmax decoding pass greedy=True to generate)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(
+                f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}"
+            )
+
+
+@dataclass
+class GenerationOutput:
+    """One completion per prompt, unpadded.
+
+    completion_ids: token ids of each completion (EOS kept when it ended the completion)
+    logprobs:       log-prob of each sampled token under the distribution it was sampled from
+                    (after temperature / top-k / top-p); same lengths as completion_ids
+    truncated:      True where max_new_tokens was reached without EOS or a stop string
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    truncated: list[bool]
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.truncated) != n:
+            raise ValueError(
+                f"GenerationOutput: {n} completions but {len(self.logprobs)} logprob rows and "
+                f"{len(self.truncated)} truncated flags"
+            )
+        for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
+            if len(ids) != len(lps):
+                raise ValueError(
+                    f"GenerationOutput row {i}: {len(ids)} ids but {len(lps)} logprobs"
+                )
+
+
+@runtime_checkable
+class TextEngine(Protocol):
+    """A text generation backend."""
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, greedy: bool = False
+    ) -> GenerationOutput:
+        """One completion per prompt (repeat prompts for groups)."""
+        ...
+
+    def load_weights(self, weights: Any) -> None:
+        """Bring the engine's weights up to date with the trainer's (a state dict or a model)."""
+        ...

@@ -1,0 +1,200 @@
+"""The default text engine: transformers `generate` on the trainer's own model (no weight copies).
+
+Sampling is plain ancestral sampling from softmax(processed logits), where the processing is
+exactly temperature -> top-k -> top-p (transformers' warper order). We pass those warpers ourselves,
+followed by a recorder that keeps the log-prob of each sampled token under that processed
+distribution, and we hide the model's own `generation_config` while generating so that hub
+defaults (repetition_penalty, min_p, top_k=20 ...) cannot silently change the distribution the
+trainer thinks was sampled. Only one [B, V] log-softmax is kept at a time (no per-step [B, V]
+score history).
+
+Where a completion ends: at the first EOS (kept) or at the token that completes a stop string
+(kept, even if that token runs past the stop string), whichever comes first. Anything after,
+including the padding transformers writes after finished rows, is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Runs last among the processors; records log p(token) of each sampled token.
+
+    At step t the input ids already contain the token sampled at step t-1, so each call gathers the
+    previous step's log-prob; the final step's is gathered by `finish` after generation.
+    """
+
+    def __init__(self) -> None:
+        self.logps: list[Tensor] = []  # each [B]
+        self.prev: Tensor | None = None  # [B, V] log-softmax of the last processed scores
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.prev is not None:
+            self.logps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))  # [B]
+        self.prev = torch.log_softmax(scores.float(), dim=-1)  # [B, V]
+        return scores
+
+    def finish(self, generated: Tensor) -> Tensor:
+        """generated: [B, T] sampled tokens -> [B, T] their log-probs."""
+        T = generated.shape[1]
+        if len(self.logps) < T and self.prev is not None:
+            self.logps.append(self.prev.gather(-1, generated[:, T - 1 : T]).squeeze(-1))  # [B]
+        if len(self.logps) < T:
+            raise RuntimeError(f"HFEngine: recorded {len(self.logps)} log-probs for {T} tokens")
+        return torch.stack(self.logps[:T], dim=1)  # [B, T]
+
+
+def _stop_cut(ids: list[int], stops: list[str], tokenizer: Any) -> int | None:
+    """Smallest k such that decode(ids[:k]) contains a stop string, or None (binary search)."""
+    if not stops or not any(s in tokenizer.decode(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)  # invariant: decode(ids[:hi]) contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the model's generation config (may be several, e.g. chat models) or tokenizer."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(
+            "HFEngine: neither the model's generation_config nor the tokenizer has an EOS id"
+        )
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class HFEngine:
+    """transformers `generate` over a (possibly peft-wrapped) causal LM that the trainer also updates.
+
+    batch_size: prompts per `generate` call (None = all at once).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int | None = None) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"HFEngine: batch_size must be >= 1 or None, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        # The transformers model that owns `generation_config` (under a peft wrapper if any).
+        self._hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.eos_ids = _eos_ids(self._hf_model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def load_weights(self, weights: Any) -> None:
+        """No-op: this engine generates with the trainer's model object itself, so it always sees
+        the current weights; there is nothing to copy."""
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, greedy: bool = False
+    ) -> GenerationOutput:
+        """One completion per prompt. Greedy takes the argmax; its log-probs are under
+        softmax(logits / temperature) (top-k/top-p do not apply)."""
+        if not prompt_token_ids:
+            return GenerationOutput([], [], [])
+        for i, p in enumerate(prompt_token_ids):
+            if len(p) == 0:
+                raise ValueError(
+                    f"HFEngine.generate: prompt {i} is empty (needs at least one token)"
+                )
+        step = self.batch_size or len(prompt_token_ids)
+        out = GenerationOutput([], [], [])
+        was_training = self.model.training
+        saved_config = self._hf_model.generation_config
+        self.model.eval()
+        # Hide hub sampling defaults; everything that shapes the distribution is passed explicitly.
+        self._hf_model.generation_config = GenerationConfig()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompt_token_ids), step):
+                    chunk = self._generate_chunk(
+                        prompt_token_ids[start : start + step], params, greedy
+                    )
+                    out.completion_ids += chunk.completion_ids
+                    out.logprobs += chunk.logprobs
+                    out.truncated += chunk.truncated
+        finally:
+            self._hf_model.generation_config = saved_config
+            self.model.train(was_training)
+        return out
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, greedy: bool
+    ) -> GenerationOutput:
+        device = next(self.model.parameters()).device
+        B, P = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left padded
+        attention_mask = torch.zeros((B, P), dtype=torch.long)  # [B, P]
+        for i, p in enumerate(prompts):
+            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, P - len(p) :] = 1
+
+        warpers: list[LogitsProcessor] = []
+        if params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if not greedy and params.top_k > 0:
+            warpers.append(TopKLogitsWarper(top_k=params.top_k))
+        if not greedy and params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=params.top_p))
+        recorder = _LogprobRecorder()
+        # Neutral sampling settings (our warpers above do the work); greedy ignores them.
+        neutral = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        config = GenerationConfig(
+            do_sample=not greedy,
+            **neutral,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=list(params.stop) or None,
+            return_dict_in_generate=True,
+        )
+        result = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([*warpers, recorder]),
+            tokenizer=self.tokenizer if params.stop else None,
+        )
+        generated = result.sequences[:, P:]  # [B, T]
+        logps = recorder.finish(generated).cpu()  # [B, T]
+        generated = generated.cpu()
+
+        out = GenerationOutput([], [], [])
+        eos = set(self.eos_ids)
+        for i in range(B):
+            ids = generated[i].tolist()
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in eos), None)
+            cut = _stop_cut(ids[: end or len(ids)], params.stop, self.tokenizer)
+            end = cut if cut is not None else end
+            stopped = end is not None
+            if not stopped and len(ids) < params.max_new_tokens:
+                raise RuntimeError(
+                    f"HFEngine: completion {i} ended after {len(ids)} < max_new_tokens tokens "
+                    "with no EOS or stop string found; cannot tell where it ends"
+                )
+            end = end if stopped else len(ids)
+            out.completion_ids.append(ids[:end])
+            out.logprobs.append(logps[i, :end].tolist())
+            out.truncated.append(not stopped)
+        return out
