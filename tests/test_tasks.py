@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from grouprl.envs.tasks import TASKS, build_task
+from grouprl.envs.tasks.countdown import (
+    UnsafeExpression,
+    check_equation,
+    countdown_reward,
+    safe_eval,
+)
 
 # ---------------------------------------------------------------- registry
 
@@ -83,3 +91,99 @@ def test_arithmetic_template_and_reward():
 def test_arithmetic_bad_options(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         build_task("arithmetic", **options)
+
+
+# ---------------------------------------------------------------- countdown
+
+
+def test_safe_eval_values():
+    assert safe_eval("3 * (5 + 7)") == 36
+    assert safe_eval("7 / 2") == Fraction(7, 2)
+    assert safe_eval("((1))") == 1
+    assert safe_eval("10 - 4 - 3") == 3  # left associative
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os')",  # names and calls: refused by the character check
+        "a + 1",
+        "(1).real",  # attribute access
+        "2 ** 3",  # pow
+        "7 // 2",  # floor division
+        "7 % 2",
+        "-3 + 5",  # unary minus is not one of the four operations
+        "1.5 * 2",
+        "0x10",
+        "1 2",
+        "",
+        "(" * 150 + "1" + ")" * 150,  # too long
+    ],
+)
+def test_safe_eval_rejects(text):
+    with pytest.raises(UnsafeExpression):
+        safe_eval(text)
+
+
+def test_check_equation_rules():
+    nums = [3, 5, 7]
+    assert check_equation("3 * 5 + 7", nums, 22)
+    assert check_equation("3*5+7 = 22", nums, 22)  # the right side is ignored
+    assert check_equation("5 * 7 - 3", nums, 32)
+    assert check_equation("3 + 5", nums, 8)  # a number may stay unused
+    assert not check_equation("3 + 5", nums, 8, number_use="exactly_once")
+    assert not check_equation("3 * 3 + 7", nums, 16)  # 3 used twice
+    assert not check_equation("3 * 5 + 8", nums, 23)  # 8 was not given
+    assert not check_equation("3 * 5 + 7", nums, 21)  # wrong value
+    assert not check_equation("7 / (5 - 5)", [7, 5, 5], 0)  # division by zero -> False
+    assert check_equation("(7 + 5) / 3 * 3", [7, 5, 3, 3], 12)
+    assert check_equation("7 / 2 * 4", [7, 2, 4], 14)  # fractional intermediate, exact result
+    assert not check_equation("2 ** 5", [2, 5], 32)
+
+
+def test_countdown_reward_extraction_modes():
+    cols = {"numbers": [[3, 5, 7]] * 4, "target": [22] * 4}
+    completions = [
+        "think... <answer>3*5+7</answer>",
+        "<answer>3*5+8</answer>",
+        "3*5+7",  # no tag
+        "<answer>import os</answer>",
+    ]
+    assert countdown_reward()(completions, **cols) == [1.0, 0.0, 0.0, 0.0]
+    last = countdown_reward(answer_from="last_line")
+    assert last(["so:\n3*5+7\n\n", "3*5+7\nno", "", "<answer>3*5+7</answer>"], **cols) == [
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
+    with pytest.raises(ValueError, match="answer_from='first_line' is not allowed"):
+        countdown_reward(answer_from="first_line")
+
+
+def test_countdown_generator_is_solvable_seeded_and_disjoint():
+    task = build_task("countdown", seed=1, n_train=200, n_eval=50)
+    again = build_task("countdown", seed=1, n_train=200, n_eval=50)
+    assert task.train == again.train and task.eval == again.eval
+    key = lambda ex: (tuple(sorted(ex["numbers"])), ex["target"])  # noqa: E731
+    assert not {key(e) for e in task.train} & {key(e) for e in task.eval}
+    examples = task.train + task.eval
+    fn = task.reward_fns["accuracy"]
+    completions = [f"<answer>{ex['solution']}</answer>" for ex in examples]
+    cols = {"numbers": [e["numbers"] for e in examples], "target": [e["target"] for e in examples]}
+    assert fn(completions, **cols) == [1.0] * len(examples)
+    for ex in examples:
+        assert 3 <= len(ex["numbers"]) <= 4 and 1 <= ex["target"] <= 100
+        assert all(1 <= x <= 99 for x in ex["numbers"])
+        assert check_equation(ex["solution"], ex["numbers"], ex["target"], "exactly_once")
+        assert f"numbers {', '.join(map(str, ex['numbers']))}," in ex["prompt"]
+        assert ex["prompt"].isascii()
+
+
+def test_countdown_generator_bad_options():
+    with pytest.raises(ValueError, match="max_numbers must be >= 3"):
+        build_task("countdown", max_numbers=2)
+    with pytest.raises(ValueError, match="must contain the placeholders \\['target'\\]"):
+        build_task("countdown", prompt_template="Numbers: {numbers}")
+    with pytest.raises(ValueError, match="could only generate"):
+        build_task("countdown", n_train=50, n_eval=0, min_number=1, max_number=1, max_numbers=3)

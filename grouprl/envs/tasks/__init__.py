@@ -13,9 +13,11 @@ from typing import Any
 from grouprl.envs.rewards.loading import call_with_options
 from grouprl.envs.tasks.arithmetic import build_arithmetic
 from grouprl.envs.tasks.base import RewardFn, TaskData
+from grouprl.envs.tasks.countdown import build_countdown
 
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": build_arithmetic,
+    "countdown": build_countdown,
 }
 
 
