@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,7 @@ def test_unknown_task_and_option_fail_clearly():
 
 
 def test_registry_has_the_three_tasks():
-    assert {"arithmetic"} <= set(TASKS)
+    assert {"arithmetic", "countdown", "math"} <= set(TASKS)
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -187,3 +189,107 @@ def test_countdown_generator_bad_options():
         build_task("countdown", prompt_template="Numbers: {numbers}")
     with pytest.raises(ValueError, match="could only generate"):
         build_task("countdown", n_train=50, n_eval=0, min_number=1, max_number=1, max_numbers=3)
+
+
+# ---------------------------------------------------------------- math
+
+DATA = Path(__file__).parent / "data"
+GSM8K = str(DATA / "gsm8k_tiny.jsonl")
+MATH_PARQUET = str(DATA / "math_tiny.parquet")
+
+
+def test_math_from_jsonl_extracts_gsm8k_answers():
+    task = build_task("math", source=GSM8K)
+    assert len(task.train) == 10 and task.eval == []
+    first = task.train[0]
+    assert first["prompt"].startswith("Tom has 3 apples")
+    assert first["answer"] == "7"
+    assert task.train[3]["answer"] == "3000"  # "#### 3,000": commas stripped
+    fn = task.reward_fns["accuracy"]
+    out = fn(["3 + 4 = 7, so \\boxed{7}", "I think 8"], answer=["7", "7"])
+    assert out == [1.0, 0.0]
+
+
+def test_math_from_parquet_with_chat_prompts_and_fraction_split():
+    task = build_task(
+        "math",
+        source=MATH_PARQUET,
+        question_column="problem",
+        answer_column="solution",
+        system_prompt="Answer in \\boxed{}.",
+        prompt_template="Problem: {question} (level {level})",
+        eval_fraction=0.3,
+        seed=0,
+    )
+    assert len(task.train) == 7 and len(task.eval) == 3
+    ex = task.train[0]
+    assert ex["prompt"][0] == {"role": "system", "content": "Answer in \\boxed{}."}
+    assert ex["prompt"][1]["role"] == "user"
+    assert ex["prompt"][1]["content"] == f"Problem: {ex['problem']} (level {ex['level']})"
+    assert ex["answer"] == ex["solution"]  # raw answers are kept as they are
+    questions = [e["problem"] for e in task.train + task.eval]
+    assert len(set(questions)) == 10
+    again = build_task(
+        "math", source=MATH_PARQUET, question_column="problem", answer_column="solution",
+        eval_fraction=0.3, seed=0,
+    )  # fmt: skip
+    assert [e["problem"] for e in again.eval] == [e["problem"] for e in task.eval]
+    by_answer = {e["problem"]: e["answer"] for e in task.train + task.eval}
+    fn = task.reward_fns["accuracy"]
+    out = fn(
+        ["so it is $\\boxed{0.75}$", "$\\boxed{x^2+2x+1}$", "$\\boxed{5}$"],
+        answer=[
+            by_answer["What is $\\frac{1}{2} + \\frac{1}{4}$?"],
+            by_answer["Expand $(x+1)^2$."],
+            by_answer["What is $7 \\times 6$?"],
+        ],
+    )
+    assert out == [1.0, 1.0, 0.0]
+
+
+def test_math_eval_source_and_limits(tmp_path):
+    task = build_task("math", source=GSM8K, eval_source=GSM8K, max_train=4, max_eval=2)
+    assert len(task.train) == 4 and len(task.eval) == 2
+    assert task.eval[0]["answer"] == "7"
+
+
+def test_math_json_list_and_json_lines(tmp_path):
+    as_list = tmp_path / "list.json"
+    as_list.write_text(json.dumps([{"question": "1+1?", "answer": 2}]))
+    assert build_task("math", source=str(as_list)).train[0]["answer"] == "2"
+    as_field = tmp_path / "field.json"
+    as_field.write_text(json.dumps({"data": [{"question": "q", "answer": "#### 5"}]}))
+    assert build_task("math", source=str(as_field)).train[0]["answer"] == "5"
+    as_lines = tmp_path / "lines.json"
+    as_lines.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": "2"}\n')
+    assert [e["answer"] for e in build_task("math", source=str(as_lines)).train] == ["1", "2"]
+
+
+def test_math_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_task("math", source=str(tmp_path / "missing.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="has no rows"):
+        build_task("math", source=str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "1"}\n\n{"question": "b", "answer": \n')
+    with pytest.raises(ValueError, match="line 3 is not valid JSON"):
+        build_task("math", source=str(bad))
+    with pytest.raises(
+        ValueError, match=r"column 'prompt' is not in .*; columns: \['answer', 'question'\]"
+    ):
+        build_task("math", source=GSM8K, question_column="prompt")
+    with pytest.raises(ValueError, match="row 0 of .*answer_format='gsm8k'"):
+        build_task(
+            "math", source=MATH_PARQUET, question_column="problem", answer_column="solution",
+            answer_format="gsm8k",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="split / config apply to hub datasets"):
+        build_task("math", source=GSM8K, split="test")
+    with pytest.raises(ValueError, match="eval_fraction must be in"):
+        build_task("math", source=GSM8K, eval_fraction=1.0)
+    with pytest.raises(ValueError, match="answer_format='boxed' is not allowed"):
+        build_task("math", source=GSM8K, answer_format="boxed")
+    with pytest.raises(ValueError, match="unknown placeholders \\['topic'\\]"):
+        build_task("math", source=GSM8K, prompt_template="{topic}: {question}")

@@ -14,10 +14,12 @@ from grouprl.envs.rewards.loading import call_with_options
 from grouprl.envs.tasks.arithmetic import build_arithmetic
 from grouprl.envs.tasks.base import RewardFn, TaskData
 from grouprl.envs.tasks.countdown import build_countdown
+from grouprl.envs.tasks.math import build_math
 
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": build_arithmetic,
     "countdown": build_countdown,
+    "math": build_math,
 }
 
 
