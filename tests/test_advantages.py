@@ -203,6 +203,8 @@ def test_input_errors():
         compute_advantages("grpo", R, G, reward_aggregation="mean")
     with pytest.raises(ValueError, match="shape"):
         compute_advantages("grpo", R[:3], G)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        compute_advantages("grpo", R, G, alpha=2.0)  # unknown options are never dropped silently
 
 
 def test_dtypes():

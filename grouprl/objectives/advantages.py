@@ -144,36 +144,39 @@ def _divide_by_std(adv: Tensor, r: Tensor, g: Groups, scale: str, eps: float) ->
 
 
 # ----------------------------------------------------------------------------- estimators
-# Each: fn(r [N] float64, groups: Groups, *, scale, eps, lengths, **opts) -> A [N]. Invalid samples
-# may hold any finite value in r; estimators must return 0 for them.
+# Each: fn(r [N] float64, groups: Groups, *, scale, eps, lengths, [own options]) -> A [N]. Invalid
+# samples may hold any finite value in r; estimators must return 0 for them. Estimators that do not
+# use scale / eps / lengths ignore them; an option no estimator knows is a TypeError (no silent drop).
 
 
 @ADVANTAGES.register("grpo")
-def grpo(r: Tensor, g: Groups, *, scale: str = "group", eps: float = 1e-4, **_: object) -> Tensor:
+def grpo(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     return _divide_by_std(g.centered(r), r, g, scale, eps)  # [N]
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(r: Tensor, g: Groups, **_: object) -> Tensor:
+def dr_grpo(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     return g.centered(r)  # [N]  (scale is fixed to "none" by definition)
 
 
 @ADVANTAGES.register("rloo")
-def rloo(r: Tensor, g: Groups, **_: object) -> Tensor:
+def rloo(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     # R_i - (S - R_i)/(n - 1) = n/(n - 1) * (R_i - mean_g); degenerate groups are already 0.
     n = g.count(r.dtype)  # [N]
     return g.centered(r) * n / (n - 1).clamp(min=1)  # [N]
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(r: Tensor, g: Groups, *, eps: float = 1e-4, **_: object) -> Tensor:
+def reinforce_pp_baseline(
+    r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None
+) -> Tensor:
     c = g.centered(r)  # [N]
     adv = _whiten(c, g.valid, eps)  # [N]  degenerate groups still count in the batch statistics
     return torch.where(g.valid & ~g.degenerate(r), adv, torch.zeros_like(adv))  # [N]
 
 
 @ADVANTAGES.register("opo")
-def opo(r: Tensor, g: Groups, *, lengths: Tensor | None = None, **_: object) -> Tensor:
+def opo(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     if lengths is None:
         raise ValueError("advantage 'opo' needs `lengths` (completion lengths in tokens, Long[N])")
     if lengths.shape != r.shape:
@@ -188,16 +191,14 @@ def opo(r: Tensor, g: Groups, *, lengths: Tensor | None = None, **_: object) -> 
 
 
 @ADVANTAGES.register("gpg")
-def gpg(r: Tensor, g: Groups, **_: object) -> Tensor:
+def gpg(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     n_valid = g.valid.sum()  # scalar
     n_nonzero = (g.valid & (r != 0)).sum().clamp(min=1)  # scalar
     return g.centered(r) * (n_valid / n_nonzero).to(r.dtype)  # [N]
 
 
 @ADVANTAGES.register("grpo_passk")
-def grpo_passk(
-    r: Tensor, g: Groups, *, scale: str = "group", eps: float = 1e-4, **_: object
-) -> Tensor:
+def grpo_passk(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
     idx = torch.arange(r.numel(), device=r.device)  # [N]
     r_max = g.reduce(r, "amax", float("-inf"))  # [N]
     is_top = g.valid & (r == r_max)  # [N]
@@ -208,7 +209,7 @@ def grpo_passk(
     )[g.inv]  # [N]
     is_best = idx == best_idx  # [N]
     r_second = g.with_valid(g.valid & ~is_best).reduce(r, "amax", float("-inf"))  # [N]
-    keep = is_best & ~g.degenerate(r)  # [N]  degenerate: < 2 valid or a tie at every rank
+    keep = is_best & ~g.degenerate(r)  # [N]  a tie at the top gives gap 0 anyway
     gap = torch.where(keep, r_max - r_second, torch.zeros_like(r))  # [N]
     return _divide_by_std(gap, r, g, scale, eps)  # [N]
 
