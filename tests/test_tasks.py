@@ -293,3 +293,21 @@ def test_math_errors(tmp_path):
         build_task("math", source=GSM8K, answer_format="boxed")
     with pytest.raises(ValueError, match="unknown placeholders \\['topic'\\]"):
         build_task("math", source=GSM8K, prompt_template="{topic}: {question}")
+
+
+def test_math_hub_source_calls_load_dataset(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if split == "broken":
+            raise ConnectionError("offline")
+        return [{"question": f"q {split}", "answer": "#### 4"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    task = build_task("math", source="openai/gsm8k", config="main", eval_split="test")
+    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert task.train[0]["answer"] == "4" and task.eval[0]["prompt"] == "q test"
+    with pytest.raises(ValueError, match="cannot load hub dataset 'openai/gsm8k'.*offline"):
+        build_task("math", source="openai/gsm8k", split="broken")
