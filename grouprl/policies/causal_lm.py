@@ -1,0 +1,363 @@
+"""The text policy: a transformers causal LM (optionally with a peft LoRA adapter).
+
+GRPO as in DeepSeekMath (arXiv:2402.03300): sample G completions per prompt, score per-token
+log-probs of the completion tokens. Sampling goes through a text engine (default HFEngine on this
+very model); scoring is one forward of [left-padded prompt | right-padded completion] with
+position ids taken from the attention mask (so left padding never shifts positions), the LM head
+applied chunk by chunk (see logprobs.py). LoRA follows arXiv:2106.09685; the reference policy under
+LoRA is the same weights with the adapter disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from grouprl.policies.logprobs import completion_logprobs
+from grouprl.rollouts.engines.base import SamplingParams, TextEngine
+from grouprl.rollouts.engines.hf import HFEngine
+from grouprl.types import PolicyOutput, Rollout, TokenBatch
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class LoRASettings:
+    """LoRA adapter settings (peft). target_modules default: the attention projections of
+    Qwen2/Llama-style models; add gate_proj/up_proj/down_proj for the MLP."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+def _lora_settings(lora: LoRASettings | dict | None) -> LoRASettings | None:
+    if lora is None or isinstance(lora, LoRASettings):
+        return lora
+    if isinstance(lora, dict):
+        allowed = set(LoRASettings.__dataclass_fields__)
+        if unknown := set(lora) - allowed:
+            raise ValueError(f"unknown LoRA keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        return LoRASettings(**lora)
+    raise TypeError(f"lora must be a LoRASettings, a dict or None, got {type(lora).__name__}")
+
+
+def _check_source(name_or_path: str) -> None:
+    """Fail early with one message for a local path that cannot hold a model."""
+    path = Path(name_or_path).expanduser()
+    looks_local = (
+        path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1
+    )
+    if not looks_local:
+        return  # a hub id such as "Qwen/Qwen2.5-0.5B"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} is not a directory; expected a folder written by "
+            "save_pretrained (config.json, *.safetensors and tokenizer files) or a hub id"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {str(path)!r} has no config.json; expected a folder written by "
+            "save_pretrained (config.json, *.safetensors and tokenizer files)"
+        )
+
+
+class _Scorer:
+    """What `reference()` yields: `.log_probs(batch, temperature)` without gradient."""
+
+    def __init__(self, model: Any, chunk_size: int | None) -> None:
+        self._model, self._chunk_size = _hf_model(model), chunk_size
+
+    @torch.no_grad()
+    def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
+        return completion_logprobs(
+            self._model,
+            batch,
+            temperature=temperature,
+            chunk_size=self._chunk_size,
+            with_entropy=False,
+        )[0]
+
+
+def _hf_model(model: Any) -> Any:
+    """The transformers model under a peft wrapper (adapters are injected into its modules)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class CausalLMPolicy:
+    """Samples groups of completions and scores completion log-probs for a causal LM.
+
+    A tokenizer without a pad token gets its EOS as pad (pad positions are always masked).
+    `need_reference=True` builds the frozen reference copy at once (without LoRA) so that an
+    out-of-memory shows up at start; otherwise it is built on first `reference()` use, if ever.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        lora: LoRASettings | dict | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_chunk_size: int | None = None,
+        need_reference: bool = False,
+        engine: TextEngine | None = None,
+    ) -> None:
+        if tokenizer.pad_token_id is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("CausalLMPolicy: tokenizer has neither a pad nor an EOS token")
+            tokenizer.pad_token = tokenizer.eos_token
+        self.tokenizer = tokenizer
+        self.lora = _lora_settings(lora)
+        if self.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(
+                r=self.lora.r,
+                lora_alpha=self.lora.alpha,
+                lora_dropout=self.lora.dropout,
+                target_modules=list(self.lora.target_modules),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, config)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = model
+        self.logprob_chunk_size = logprob_chunk_size
+        self.engine: TextEngine = engine if engine is not None else HFEngine(model, tokenizer)
+        self._ref_model: Any = None
+        if need_reference and self.lora is None:
+            self._reference_model()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype: DType = "float32",
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> CausalLMPolicy:
+        """Load model + tokenizer from a hub id or a local directory; kwargs go to __init__."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        _check_source(str(name_or_path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                name_or_path, trust_remote_code=trust_remote_code
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"could not load a causal LM and tokenizer from {str(name_or_path)!r} "
+                f"(a hub id or a save_pretrained folder was expected): {first}"
+            ) from None
+        return cls(model, tokenizer, **kwargs)
+
+    # ---- prompts and sampling ------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids per prompt: chat messages via the chat template (+ generation prompt),
+        plain strings as-is (plus BOS only if this tokenizer normally adds one)."""
+        tok, out = self.tokenizer, []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                text = prompt
+            elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+                if not getattr(tok, "chat_template", None):
+                    raise ValueError(
+                        "conversational prompts (lists of {'role', 'content'}) need a tokenizer "
+                        "with a chat template, and this tokenizer has none"
+                    )
+                text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            else:
+                raise TypeError(
+                    f"prompt {i} must be a string or a list of {{'role', 'content'}} dicts, "
+                    f"got {type(prompt).__name__}"
+                )
+            ids = tok(text, add_special_tokens=False).input_ids
+            bos = tok.bos_token_id
+            if isinstance(prompt, str) and bos is not None and ids[:1] != [bos]:
+                if tok(text, add_special_tokens=True).input_ids[:1] == [bos]:
+                    ids = [bos, *ids]
+            out.append(ids)
+        return out
+
+    def sample(
+        self,
+        prompts: list[Prompt],
+        group_size: int,
+        params: SamplingParams,
+        *,
+        engine: TextEngine | None = None,
+        group_ids: list[int] | Tensor | None = None,
+        greedy: bool = False,
+    ) -> Rollout:
+        """G = group_size completions per prompt (consecutive rows); rewards are left empty."""
+        if group_size < 1 or not prompts:
+            raise ValueError(
+                f"need >= 1 prompt and group_size >= 1, got {len(prompts)}, {group_size}"
+            )
+        if group_ids is None:
+            group_ids = torch.arange(len(prompts))
+        group_ids = torch.as_tensor(group_ids, dtype=torch.long)  # [B]
+        if group_ids.shape != (len(prompts),):
+            raise ValueError(f"group_ids must have one id per prompt ({len(prompts)})")
+        prompt_ids = [p for p in self.encode_prompts(prompts) for _ in range(group_size)]
+        out = (engine or self.engine).generate(prompt_ids, params, greedy=greedy)
+        pad = self.tokenizer.pad_token_id
+        p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
+        p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")
+        c_ids = _pad([torch.tensor(c) for c in out.completion_ids], pad, "right")  # [N, T]
+        c_mask = _pad(
+            [torch.ones(len(c), dtype=torch.bool) for c in out.completion_ids], 0, "right"
+        )
+        engine_logp = _pad([torch.tensor(lp) for lp in out.logprobs], 0.0, "right")  # [N, T]
+        batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
+        return Rollout(
+            group_ids=group_ids.repeat_interleave(group_size),  # [N]
+            rewards={},
+            actions=batch,
+            old_logp=engine_logp.clone(),  # [N, T]; train.py may recompute it with the trainer
+            mask=c_mask.clone(),  # [N, T]
+            engine_logp=engine_logp,
+            info={
+                "prompt": [p for p in prompts for _ in range(group_size)],
+                "completion": self.tokenizer.batch_decode(
+                    out.completion_ids, skip_special_tokens=True
+                ),
+                "completion_ids": out.completion_ids,
+            },
+        )
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def log_probs(
+        self,
+        batch: TokenBatch,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+        chunk_size: int | None = None,
+        entropy_grad: bool = False,
+    ) -> PolicyOutput:
+        """Differentiable logp [N, T] of the completion tokens under softmax(logits / temperature),
+        entropy [N, T] (no grad unless entropy_grad); masked slots are 0."""
+        logp, entropy = completion_logprobs(
+            _hf_model(self.model),
+            batch,
+            temperature=temperature,
+            chunk_size=chunk_size or self.logprob_chunk_size,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )  # [N, T] each
+        return PolicyOutput(logp=logp, entropy=entropy)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[_Scorer]:
+        """Scores under the frozen reference: the adapter disabled (LoRA) or a frozen copy."""
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                yield _Scorer(self.model, self.logprob_chunk_size)
+        else:
+            yield _Scorer(self._reference_model(), self.logprob_chunk_size)
+
+    def _reference_model(self) -> Any:
+        if self._ref_model is None:
+            ref = copy.deepcopy(self.model).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._ref_model = ref
+        return self._ref_model
+
+    # ---- parameters and checkpoints ------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> CausalLMPolicy:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> CausalLMPolicy:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Full weights, or only the trainable (adapter) weights under LoRA."""
+        if self.lora is None:
+            return self.model.state_dict()
+        names = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.model.state_dict().items() if k in names}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Inverse of state_dict(); checks the keys before touching any weight."""
+        expected = set(self.state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise KeyError(
+                f"state dict does not match this policy: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        self.model.load_state_dict(state, strict=self.lora is None)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """A plain transformers folder (safetensors + tokenizer). Under LoRA the adapter is merged
+        into the saved weights (the live model is left untouched) and also saved to dir/adapter."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        else:
+            self.model.save_pretrained(directory / "adapter", safe_serialization=True)
+            base = self.model.get_base_model()
+            base.save_pretrained(directory, state_dict=_merged_state_dict(base))
+        self.tokenizer.save_pretrained(directory)
+        return directory
+
+
+def _pad(rows: list[Tensor], value: float, side: Literal["left", "right"]) -> Tensor:
+    return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
+
+
+def _merged_state_dict(base: Any) -> dict[str, Tensor]:
+    """The base model's weights with each LoRA delta added, under the original parameter names."""
+    from peft.tuners.lora import LoraLayer
+
+    state = {}
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            w = module.get_base_layer().weight.detach()
+            for adapter in module.active_adapters:
+                w = w + module.get_delta_weight(adapter).detach().to(w.dtype)
+            deltas[f"{name}.weight"] = w
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        state[key] = deltas.get(key, value).detach().cpu().contiguous()
+    return state
