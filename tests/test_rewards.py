@@ -305,3 +305,14 @@ def test_batch_only_failure():
     with pytest.raises(RuntimeError, match="batch too big") as info:
         score_completions({"b": batch_hater}, ["a", "b"], _examples(["1", "2"]), fail_fast=True)
     assert "no single sample fails" in info.value.__notes__[0]
+
+
+def test_extra_prompts_replace_the_prompt_column():
+    seen = {}
+
+    def spy(completions, **kwargs):
+        seen.update(kwargs)
+        return [0.0]
+
+    score_completions({"spy": spy}, ["a"], [{"prompt": "raw"}], extra={"prompts": ["<chat>raw"]})
+    assert seen["prompts"] == ["<chat>raw"]

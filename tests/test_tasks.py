@@ -311,3 +311,9 @@ def test_math_hub_source_calls_load_dataset(monkeypatch):
     assert task.train[0]["answer"] == "4" and task.eval[0]["prompt"] == "q test"
     with pytest.raises(ValueError, match="cannot load hub dataset 'openai/gsm8k'.*offline"):
         build_task("math", source="openai/gsm8k", split="broken")
+
+
+def test_math_directory_source_is_refused(tmp_path):
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(ValueError, match="must be a file ending with one of"):
+        build_task("math", source=str(tmp_path / "ds"))

@@ -116,11 +116,17 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def _batched_kwargs(examples: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> dict:
-    """Example columns as per-completion lists ("prompt" -> "prompts"), plus `extra` as given."""
+    """Example columns as per-completion lists ("prompt" -> "prompts"), plus `extra` as given.
+
+    `extra["prompts"]` (e.g. the prompt text after the chat template) replaces the examples'
+    "prompt" column; any other name given twice is an error.
+    """
     keys: list[str] = []
     for ex in examples:
         keys.extend(k for k in ex if k not in keys)
     kwargs = {("prompts" if k == "prompt" else k): [ex.get(k) for ex in examples] for k in keys}
+    if "prompts" in extra:
+        kwargs.pop("prompts", None)
     clash = sorted(set(kwargs) & set(extra)) + (["completions"] if "completions" in kwargs else [])
     if clash:
         raise ValueError(f"example columns {clash} clash with names the reward call reserves")
@@ -170,8 +176,9 @@ def score_completions(
 
     examples: one example dict per completion (already repeated G times per group), so row i of
               every column belongs to completions[i]. Its "prompt" column is passed as `prompts`.
-    extra:    keyword arguments passed through, e.g. completion_lengths, truncated, max_new_tokens;
-              lists / tuples / tensors of length N are treated as per-sample when retrying.
+    extra:    keyword arguments passed through, e.g. completion_lengths, truncated, max_new_tokens
+              (and optionally prompts); lists / tuples / tensors of length N are per-sample when
+              retrying one sample at a time, anything else is passed whole.
     rewards:  name -> Float[N] (float32), NaN where the function gave None or failed.
     errors:   name -> number of samples on which the function raised.
     With fail_fast, the first failure is re-raised (original type) with a note naming the

@@ -88,10 +88,12 @@ def load_records(source: str, config: str | None = None, split: str | None = Non
         raise ValueError(f"math task: source must be a dataset name or a file path, got {source!r}")
     if _is_local(source):
         path = Path(source).expanduser()
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"math task: file {str(path)!r} does not exist")
-        if path.suffix not in READERS:
-            raise ValueError(f"math task: {str(path)!r} must end with one of {list(READERS)}")
+        if path.suffix not in READERS or not path.is_file():
+            raise ValueError(
+                f"math task: {str(path)!r} must be a file ending with one of {list(READERS)}"
+            )
         if split is not None or config is not None:
             raise ValueError(
                 f"math task: split / config apply to hub datasets, not to {str(path)!r}"
