@@ -216,7 +216,7 @@ def test_load_reward_fn_errors(user_file):
         load_reward_fn(f"{user_file.parent}/missing.py:reward")
     with pytest.raises(AttributeError, match="has no attribute 'rewrd'.*'fragile', 'reward'"):
         load_reward_fn(f"{user_file}:rewrd")
-    with pytest.raises(TypeError, match="'NOT_A_FUNCTION' is a int, not callable"):
+    with pytest.raises(TypeError, match="'NOT_A_FUNCTION' is not callable \\(type int\\)"):
         load_reward_fn(f"{user_file}:NOT_A_FUNCTION")
     with pytest.raises(ValueError, match="takes no options"):
         build_reward(f"{user_file}:reward", scale=2)

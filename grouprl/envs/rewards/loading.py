@@ -11,6 +11,7 @@ one bad completion costs one NaN (counted in `errors`), not the whole step.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -63,8 +64,9 @@ def _load_module(module_part: str, spec: str) -> Any:
         path = Path(module_part).expanduser().resolve()
         if not path.is_file():
             raise FileNotFoundError(f"reward function {spec!r}: file {str(path)!r} does not exist")
-        # A stable, unique module name per file so pickling and re-loading behave.
-        name = f"grouprl_user_reward_{abs(hash(str(path)))}"
+        # One module name per file, the same in every process (hash() is salted per process), so
+        # loading twice reuses the module and worker processes agree on the name.
+        name = "grouprl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
         if name in sys.modules:
             return sys.modules[name]
         module_spec = importlib.util.spec_from_file_location(name, path)
@@ -110,7 +112,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(
-            f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not callable"
+            f"reward function {spec!r}: {attr!r} is not callable (type {type(fn).__name__})"
         )
     return fn
 
