@@ -438,6 +438,7 @@ def test_permuting_samples_changes_nothing(cfg):
 
 
 PAD_CONFIGS = CONFIGS + [
+    dict(ratio_level="sequence", surrogate="kl_cov", kl_cov_ratio=0.2),
     dict(
         ratio_level="token",
         surrogate="clip_cov",
@@ -467,9 +468,12 @@ def test_padding_columns_and_empty_rows_change_nothing(cfg, agg):
         return out
 
     big_mask = pad(mask, False)
+    nan = float("nan")
+    # token-level advantages and weights, NaN on every padded slot as well
+    big_adv = pad(adv[:, None].expand(n, t), nan)
     out, grad = _loss_and_grad(
-        pad(logp, float("nan")), pad(old, float("nan")), torch.cat([adv, _t([5.0])]),
-        big_mask, pad(w, 1.0), generator=torch.Generator().manual_seed(0), **kw,
+        pad(logp, nan), pad(old, nan), big_adv, big_mask, pad(w, nan),
+        generator=torch.Generator().manual_seed(0), **kw,
     )  # fmt: skip
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-12)
     torch.testing.assert_close(grad[:n, :t], ref_grad)

@@ -183,7 +183,7 @@ def kl_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
         k = min(n_valid, max(1, int(b.kl_cov_ratio * n_valid)))
         top = _covariance(b).flatten().topk(k).indices  # [k]; -inf padding ranks last
         chosen.view(-1)[top] = True
-        loss = loss + chosen * b.kl_cov_coef * log_ratio.abs()  # [n, T]
+        loss = loss + b.kl_cov_coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
     return loss, {"kl_cov_frac": _masked_mean(chosen.float(), b.mask)}
 
 
@@ -318,9 +318,13 @@ def policy_loss(
     _check_shapes(logp, old_logp, advantages, mask, token_weights)
     adv = advantages.detach().to(logp.dtype)  # [n] or [n, T]
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv  # [n, T]
+    # Padding may hold anything (NaN, -inf): zero it once here, so no surrogate ever multiplies a
+    # zero gradient by a non-finite padded value (0 * NaN = NaN in backward).
+    pad = ~mask  # [n, T]
+    weights = None if token_weights is None else token_weights.detach().masked_fill(pad, 0.0)
     b = _Batch(
-        logp=logp, old_logp=old_logp.detach(), adv=adv, mask=mask,
-        token_weights=None if token_weights is None else token_weights.detach(),
+        logp=logp.masked_fill(pad, 0.0), old_logp=old_logp.detach().masked_fill(pad, 0.0),
+        adv=adv.masked_fill(pad, 0.0), mask=mask, token_weights=weights,
         surrogate=surrogate, aggregation=aggregation,
         counts={"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len},
         eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
