@@ -53,7 +53,9 @@ class LoRAConfig(_Section):
 class ModelConfig(_Section):
     type: Literal["causal_lm"] = Field("causal_lm", description="Policy kind.")
     name_or_path: str = Field(..., description="Hub id or local save_pretrained folder.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype."
+    )
     lora: LoRAConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     logprob_chunk_size: int | None = Field(
@@ -223,7 +225,9 @@ def check_combinations(cfg: Config) -> None:
             f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
         )
     if a.advantage == "dr_grpo" and a.scale != "none":
-        warnings.warn("advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2)
+        warnings.warn(
+            "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
+        )
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -261,7 +265,9 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
         ann = field.annotation
         args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)]
         candidates = [ann, *args]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
         if model is None:
             return None
     return model

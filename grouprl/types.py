@@ -24,7 +24,9 @@ def _index(value: Any, idx: Tensor, n: int) -> Any:
     if isinstance(value, dict):
         return {k: _index(v, idx, n) for k, v in value.items()}
     if hasattr(value, "__dataclass_fields__"):
-        return replace(value, **{f.name: _index(getattr(value, f.name), idx, n) for f in fields(value)})
+        return replace(
+            value, **{f.name: _index(getattr(value, f.name), idx, n) for f in fields(value)}
+        )
     return value
 
 
@@ -48,6 +50,25 @@ class TokenBatch:
     @property
     def lengths(self) -> Tensor:  # Long[N]
         return self.completion_mask.sum(-1)
+
+    @classmethod
+    def cat(cls, parts: list[TokenBatch]) -> TokenBatch:
+        """Join batches along N: prompts re-padded on the left, completions on the right.
+
+        Pad slots get id 0; their masks are False, so the id never reaches a loss or an attention.
+        """
+        p = max(b.prompt_ids.shape[1] for b in parts)
+        t = max(b.completion_ids.shape[1] for b in parts)
+        left = [(p - b.prompt_ids.shape[1], 0) for b in parts]
+        right = [(0, t - b.completion_ids.shape[1]) for b in parts]
+        pad = torch.nn.functional.pad
+        return cls(
+            prompt_ids=torch.cat([pad(b.prompt_ids, s) for b, s in zip(parts, left)]),  # [N, P]
+            prompt_mask=torch.cat([pad(b.prompt_mask, s) for b, s in zip(parts, left)]),
+            completion_ids=torch.cat([pad(b.completion_ids, s) for b, s in zip(parts, right)]),
+            completion_mask=torch.cat([pad(b.completion_mask, s) for b, s in zip(parts, right)]),
+            truncated=torch.cat([b.truncated for b in parts]),  # [N]
+        )
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +21,9 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from grouprl.policies.logprobs import completion_logprobs
+from grouprl.policies.lora import LoRASettings, add_lora
+from grouprl.policies.lora import lora_settings as _lora_settings
+from grouprl.policies.lora import merged_state_dict as _merged_state_dict
 from grouprl.rollouts.engines.base import SamplingParams, TextEngine
 from grouprl.rollouts.engines.hf import HFEngine
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
@@ -33,30 +35,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 Prompt = str | list[dict[str, str]]
-
-
-@dataclass
-class LoRASettings:
-    """LoRA adapter settings (peft). target_modules default: the attention projections of
-    Qwen2/Llama-style models; add gate_proj/up_proj/down_proj for the MLP."""
-
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-
-
-def _lora_settings(lora: LoRASettings | dict | None) -> LoRASettings | None:
-    if lora is None or isinstance(lora, LoRASettings):
-        return lora
-    if isinstance(lora, dict):
-        allowed = set(LoRASettings.__dataclass_fields__)
-        if unknown := set(lora) - allowed:
-            raise ValueError(f"unknown LoRA keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-        return LoRASettings(**lora)
-    raise TypeError(f"lora must be a LoRASettings, a dict or None, got {type(lora).__name__}")
 
 
 def _check_source(name_or_path: str) -> None:
@@ -127,16 +105,7 @@ class CausalLMPolicy:
         self.tokenizer = tokenizer
         self.lora = _lora_settings(lora)
         if self.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(
-                r=self.lora.r,
-                lora_alpha=self.lora.alpha,
-                lora_dropout=self.lora.dropout,
-                target_modules=list(self.lora.target_modules),
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, config)
+            model = add_lora(model, self.lora)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -341,23 +310,3 @@ class CausalLMPolicy:
 
 def _pad(rows: list[Tensor], value: float, side: Literal["left", "right"]) -> Tensor:
     return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
-
-
-def _merged_state_dict(base: Any) -> dict[str, Tensor]:
-    """The base model's weights with each LoRA delta added, under the original parameter names."""
-    from peft.tuners.lora import LoraLayer
-
-    state = {}
-    deltas = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            w = module.get_base_layer().weight.detach()
-            for adapter in module.active_adapters:
-                w = w + module.get_delta_weight(adapter).detach().to(w.dtype)
-            deltas[f"{name}.weight"] = w
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        state[key] = deltas.get(key, value).detach().cpu().contiguous()
-    return state

@@ -1,0 +1,46 @@
+"""Command line: `grouprl train CONFIG.yaml [dotted.key=value ...]` (also `python -m grouprl`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from grouprl.config import ConfigError, load_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from grouprl.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg)
+    key = result["accuracy_key"]
+    before, after = result["before"] or {}, result["after"] or {}
+    if before or after:
+        print(f"held-out {key} before: {100 * before.get('accuracy', float('nan')):.1f}%")
+        print(f"held-out {key} after: {100 * after.get('accuracy', float('nan')):.1f}%")
+    print(f"run directory: {result['run_dir']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grouprl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a policy from a YAML config")
+    t.add_argument("config", help="path to the YAML config")
+    t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.lr=1e-4")
+    t.set_defaults(func=_train)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+        # bad input (config, data, model path, non-finite loss): one clear message, no traceback
+        # wall; GROUPRL_DEBUG=1 shows the traceback for bug reports
+        if os.environ.get("GROUPRL_DEBUG"):
+            raise
+        print(f"grouprl: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Single-turn rollouts: prompt -> G completions -> reward functions -> a scored Rollout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grouprl.envs.rewards import RewardFn, score_completions
+from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.types import Rollout
+
+
+def collect(
+    policy: Any,
+    examples: list[dict],
+    group_size: int,
+    params: SamplingParams,
+    reward_fns: dict[str, RewardFn],
+    *,
+    first_group_id: int = 0,
+    greedy: bool = False,
+    fail_fast: bool = False,
+) -> tuple[Rollout, dict[str, int]]:
+    """Sample `group_size` completions for each example and score them with every reward function.
+
+    Group ids are first_group_id, first_group_id + 1, ... one per example, so that several calls
+    (dynamic sampling rounds) never share an id. Returns the Rollout (rewards filled: name ->
+    Float[N], NaN where a function failed) and name -> number of failed samples.
+    """
+    prompts = [ex["prompt"] for ex in examples]
+    group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
+    rollout = policy.sample(prompts, group_size, params, group_ids=group_ids, greedy=greedy)
+    batch = rollout.actions
+    repeated = [ex for ex in examples for _ in range(group_size)]  # one example per completion
+    rollout.rewards, errors = score_completions(
+        reward_fns,
+        rollout.info["completion"],
+        repeated,
+        extra={
+            "completion_lengths": batch.lengths.tolist(),
+            "truncated": batch.truncated.tolist(),
+            "max_new_tokens": params.max_new_tokens,
+        },
+        fail_fast=fail_fast,
+    )
+    rollout.info["example"] = repeated
+    return rollout, errors
