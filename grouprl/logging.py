@@ -8,8 +8,9 @@ Files written under `run_dir`:
   samples.jsonl  every row passed to `log_samples()`, with its step.
   samples.md     the newest rows as a markdown table, rewritten on every `log_samples()` call.
 
-Backends are a registry (`BACKENDS`): a new sink is one class with `log(step, metrics, split)` and
-`close()` plus one line in the dict. A backend that is asked for but not installed fails at start.
+Backends are a registry (`BACKENDS`, in logging_backends.py): a new sink is one class with
+`log(step, metrics, split)` and `close()` plus one line in the dict. A backend that is asked for but
+not installed fails at start.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from typing import Any, Literal
 
 from rich import progress as rp
 from rich.console import Console
+
+from grouprl.logging_backends import BACKENDS
+from grouprl.logging_backends import dashboard_tag as _tag
 
 Split = Literal["train", "eval"]
 _RESERVED = ("step", "split", "time")
@@ -82,72 +86,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------- backends
-def _tag(key: str, split: str) -> str:
-    """Eval metrics get an `eval/` prefix in dashboards unless their name already carries it."""
-    return key if split == "train" or key.startswith(f"{split}/") else f"{split}/{key}"
-
-
-class _TensorBoardBackend:
-    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError(
-                "logging backend 'tensorboard' was requested but tensorboard is not installed "
-                "(pip install tensorboard), or drop it from `backends`"
-            ) from e
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-    def log(self, step: int, metrics: dict[str, float | None], split: str) -> None:
-        for key, value in metrics.items():
-            if value is not None:  # TensorBoard has no null; a gap is the honest picture
-                self.writer.add_scalar(_tag(key, split), value, global_step=step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _WandbBackend:
-    """Project from config["wandb_project"] (default "grouprl"); the W&B run id is kept in
-    run_dir/wandb_id.txt so a resumed run continues the same W&B run."""
-
-    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError(
-                "logging backend 'wandb' was requested but wandb is not installed "
-                "(pip install wandb), or drop it from `backends`"
-            ) from e
-        config = config or {}
-        id_file = run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
-        id_file.write_text(run_id + "\n")
-        self.run = wandb.init(
-            project=config.get("wandb_project", "grouprl"),
-            name=run_name or config.get("run_name"),
-            config=config,
-            dir=str(run_dir),
-            id=run_id,
-            resume="allow",
-        )
-
-    def log(self, step: int, metrics: dict[str, float | None], split: str) -> None:
-        self.run.log({_tag(k, split): v for k, v in metrics.items() if v is not None}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-BACKENDS: dict[str, Any] = {
-    "jsonl": None,  # metrics.jsonl is always written by RunLogger itself
-    "tensorboard": _TensorBoardBackend,
-    "wandb": _WandbBackend,
-}
 
 
 # -------------------------------------------------------------------------------------- RunLogger
