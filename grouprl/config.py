@@ -31,6 +31,7 @@ class RunConfig(_Section):
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for python, numpy and torch RNGs.")
     resume: bool = Field(False, description="Continue from the last complete checkpoint.")
+    overwrite: bool = Field(False, description="Start afresh in a run directory that has a run.")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Where to train.")
     num_threads: int | None = Field(None, description="torch CPU threads (None: torch default).")
     log_backends: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(

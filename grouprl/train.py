@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,7 @@ def train(cfg: Config) -> dict[str, Any]:
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one a person should read
     run_dir = cfg.run_dir
+    _claim_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir / "config.yaml")
     if cfg.run.num_threads:
@@ -318,6 +320,21 @@ def train(cfg: Config) -> dict[str, Any]:
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
             "accuracy_key": accuracy_key(reward_fns)}  # fmt: skip
+
+
+def _claim_run_dir(cfg: Config) -> None:
+    """Refuse to mix two runs in one directory unless resuming or explicitly overwriting."""
+    run_dir = cfg.run_dir
+    if cfg.run.resume or not (run_dir / "metrics.jsonl").exists():
+        return
+    if not cfg.run.overwrite:
+        raise ValueError(
+            f"run directory {str(run_dir)!r} already holds a run; set run.resume=true to continue "
+            "it, run.overwrite=true to start afresh, or choose another run.name"
+        )
+    for name in ("metrics.jsonl", "samples.jsonl", "samples.md", "curves.png"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def _device(name: str) -> torch.device:
