@@ -8,6 +8,7 @@ The `algorithm.preset` named in objectives.presets fills every algorithm field t
 from __future__ import annotations
 
 import difflib
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -234,11 +235,29 @@ def check_combinations(cfg: Config) -> None:
 # ---- loading ----------------------------------------------------------------------------------
 
 
+class _YAML12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans: only true/false, so option values such as `off` or
+    `on` stay strings (PyYAML follows YAML 1.1, where off/on/yes/no are booleans)."""
+
+
+_YAML12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YAML12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAML12Loader)
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like dotted.key=value")
     key, value = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value) if value != "" else ""
+    return key.strip().split("."), _load_yaml(value) if value != "" else ""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -311,7 +330,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return validate(apply_overrides(raw, list(overrides)))

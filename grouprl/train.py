@@ -152,7 +152,13 @@ def prepare(cfg: Config, policy, rollout: Rollout, weights: dict[str, float]) ->
         with policy.reference() as ref:
             rollout.ref_logp = ref.log_probs(batch, temperature=temp)  # [N, T]
         if a.kl_mode == "reward":
-            kl = sequence_kl(rollout.old_logp, rollout.ref_logp, rollout.mask, a.kl_estimator)
+            recomputed = cfg.rollout.old_logp == "recompute" and not single_pass
+            logp = (
+                rollout.old_logp
+                if recomputed
+                else policy.log_probs(batch, temperature=temp, with_entropy=False).logp
+            )  # [N, T] the trainer's log-probs, never the engine's
+            kl = sequence_kl(logp, rollout.ref_logp, rollout.mask, a.kl_estimator)
             rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
             weights = {**weights, "kl_penalty": 1.0}
     rollout.advantages = compute_advantages(
@@ -181,8 +187,6 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
     n = len(rollout)
-    mb_size = n // a.minibatches
-    micro = cfg.train.micro_batch_size or mb_size
     single_pass = a.epochs == 1 and a.minibatches == 1
     need_entropy = a.entropy_coef != 0 or a.top_entropy_quantile < 1
     shares: dict[str, float] = {}  # loss terms: summed over micro-batches of an update
@@ -192,8 +196,9 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
     policy.train()
     for _ in range(a.epochs):
         order = torch.randperm(n)
-        for start in range(0, n, mb_size):
-            mb = order[start : start + mb_size]
+        # exactly `minibatches` near-equal parts, also for a partial dynamic-sampling batch
+        for mb in torch.tensor_split(order, min(a.minibatches, n)):
+            micro = cfg.train.micro_batch_size or len(mb)
             counts = count_tokens(rollout.mask[mb], max_len=cfg.rollout.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
             for m0 in range(0, len(mb), micro):
@@ -210,9 +215,9 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
                 )  # fmt: skip
                 if not torch.isfinite(res.loss):
                     raise NonFiniteLossError(
-                        f"non-finite loss ({float(res.loss)}) in an update; no weight was changed "
-                        "and no checkpoint written. Lower train.lr, check the rewards for inf, or "
-                        "use dtype float32"
+                        f"non-finite loss ({float(res.loss.detach())}) at an update; this step was "
+                        "abandoned before the update and no checkpoint was written for it. Lower "
+                        "train.lr, check the rewards, or use dtype float32"
                     )
                 res.loss.backward()
                 for k, v in res.metrics.items():
@@ -223,8 +228,8 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
             if not math.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteLossError(
-                    f"non-finite gradient norm ({norm}); no weight was changed and no checkpoint "
-                    "written. Lower train.lr or check the rewards"
+                    f"non-finite gradient norm ({norm}); this step was abandoned before the update "
+                    "and no checkpoint was written for it. Lower train.lr or check the rewards"
                 )
             norms.append(norm)
             optimizer.step()
@@ -282,8 +287,9 @@ def train(cfg: Config) -> dict[str, Any]:
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
         run_name=cfg.run.name, config=cfg.model_dump(mode="json"), start_step=step,
     )  # fmt: skip
+    if cfg.run.resume:  # rewind the logs to the checkpoint; with none yet, drop them all
+        logger.truncate_after(step if latest is not None else -1)
     if latest is not None:
-        logger.truncate_after(step)
         logger.print(f"resumed from {latest} at step {step}")
 
     def run_eval(at_step: int) -> dict[str, float]:

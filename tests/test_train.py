@@ -192,11 +192,6 @@ def test_kl_to_reference(mode, tmp_path, tiny_model_dir, reward_file):
         assert rows[-1]["reward/kl_penalty"] < 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train.prepare: with epochs=1 and minibatches=1 the KL-in-reward uses the engine's "
-    "sampling log-probs (top-k renormalised) instead of the trainer's",
-)
 def test_kl_in_reward_uses_the_trainers_log_probs(tmp_path, tiny_model_dir, reward_file):
     """At step 1 policy == reference, so the KL penalty must be 0 whatever the sampler's top-k.
 
@@ -319,11 +314,6 @@ def _crash_on_update(monkeypatch, n):
     return lambda: monkeypatch.setattr(train_mod, "update", real_update)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train: run.resume=true with no checkpoint yet starts afresh but keeps the crashed "
-    "run's metrics/samples lines, so steps 0..k appear twice in metrics.jsonl",
-)
 def test_resume_before_the_first_checkpoint_starts_clean(
     uninterrupted, tmp_path, tiny_model_dir, reward_file, monkeypatch
 ):
@@ -479,7 +469,6 @@ MINIBATCH_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=MINIBATCH_BUG)
 def test_dynamic_sampling_with_fewer_samples_than_minibatches(
     tmp_path, tiny_model_dir, reward_file
 ):
@@ -495,7 +484,6 @@ def test_dynamic_sampling_with_fewer_samples_than_minibatches(
     assert row["dynamic/kept_frac"] == 0.5 and math.isfinite(row["loss"])
 
 
-@pytest.mark.xfail(strict=True, reason=MINIBATCH_BUG)
 def test_dynamic_sampling_partial_batch_keeps_the_update_count(
     tmp_path, tiny_model_dir, reward_file
 ):
