@@ -300,7 +300,7 @@ def train(cfg: Config) -> dict[str, Any]:
             policy, eval_examples, reward_fns, params,
             batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
         )  # fmt: skip
-        logger.log(at_step, m, split="eval")
+        logger.log(at_step, {f"eval/{k}": v for k, v in m.items()}, split="eval")
         logger.log_samples(at_step, [{"step": at_step, **row} for row in rows])
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         return m

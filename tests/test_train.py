@@ -119,9 +119,9 @@ def test_run_writes_every_artifact(tmp_path, tiny_model_dir, reward_file, initia
         # reward/mean is the weighted sum: accuracy + 0.5 * parity
         assert r["reward/mean"] == pytest.approx(r["reward/accuracy"] + 0.5 * r["reward/parity"])
     evals = read_metrics(run_dir, "eval")
-    assert all(set(r) >= {"accuracy", "response_length"} for r in evals)
-    assert result["before"] == {k: evals[0][k] for k in result["before"]}
-    assert result["after"] == {k: evals[-1][k] for k in result["after"]}
+    assert all(set(r) >= {"eval/accuracy", "eval/response_length"} for r in evals)
+    assert result["before"] == {k: evals[0][f"eval/{k}"] for k in result["before"]}
+    assert result["after"] == {k: evals[-1][f"eval/{k}"] for k in result["after"]}
 
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (run_dir / "samples.md").read_text()
@@ -294,7 +294,9 @@ def test_resume_after_crash_is_bit_identical(
     assert read_metrics(run_b) == read_metrics(uninterrupted)
     assert _samples(run_b) == _samples(uninterrupted)
     eval_0 = read_metrics(uninterrupted, "eval")[0]
-    assert result["before"] == {k: v for k, v in eval_0.items() if k not in ("step", "split")}
+    assert {f"eval/{k}": v for k, v in result["before"].items()} == {
+        k: v for k, v in eval_0.items() if k not in ("step", "split", "time")
+    }
     state_a = CheckpointManager.load(CheckpointManager(uninterrupted).latest())
     state_b = CheckpointManager.load(CheckpointManager(run_b).latest())
     assert state_a["sampler"] == state_b["sampler"] and state_a["step"] == state_b["step"] == 4
