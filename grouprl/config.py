@@ -72,7 +72,11 @@ class TaskConfig(_Section):
 
 
 class RewardConfig(_Section):
-    name: str = Field(..., description="Built-in reward name or 'module:function' / 'file.py:fn'.")
+    name: str = Field(
+        ...,
+        description="Built-in reward name or 'module:function' / 'file.py:fn'; a name of one of "
+        "the task's rewards (e.g. accuracy) without options means the task's own function.",
+    )
     weight: float = Field(1.0, description="Weight in the combined reward.")
     options: dict[str, Any] = Field(default_factory=dict, description="Reward factory options.")
 

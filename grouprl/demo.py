@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from transformers.utils import logging as hf_logging
 
 from grouprl.config import load_config
 from grouprl.envs.tasks import build_task
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    hf_logging.disable_progress_bar()
     console = Console()
     cfg = load_config(CONFIG, args.overrides)
     warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-seed{cfg.run.seed}"

@@ -58,6 +58,7 @@ def supervised_warmup(
     check_every: int = 50,
     batch_size: int = 64,
     lr: float = 3e-3,
+    max_grad_norm: float = 1.0,
     seed: int = 0,
     on_check: Callable[[int, float, float], None] | None = None,
 ) -> tuple[list[float], float | None]:
@@ -81,6 +82,7 @@ def supervised_warmup(
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
         if target_accuracy is not None and step % check_every == 0:

@@ -49,7 +49,11 @@ def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
             key = r.name.rsplit(":", 1)[-1] if ":" in r.name else r.name
             if key in fns:
                 raise ValueError(f"reward {key!r} is listed twice in `rewards`")
-            fns[key], weights[key] = build_reward(r.name, **r.options), r.weight
+            # a task reward named without options is the task's own (e.g. math accuracy uses
+            # math-verify, countdown accuracy the equation checker), not the generic built-in
+            reuse = r.name in task.reward_fns and not r.options
+            fns[key] = task.reward_fns[r.name] if reuse else build_reward(r.name, **r.options)
+            weights[key] = r.weight
     else:
         fns = dict(task.reward_fns)
         weights = {k: task.default_reward_weights.get(k, 1.0) for k in fns}
