@@ -78,10 +78,7 @@ def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
     )
-    policy.model.to(device)
-    if policy._ref_model is not None:
-        policy._ref_model.to(device)
-    return policy
+    return policy.to(device)
 
 
 def build_optimizer(cfg: Config, policy) -> tuple[torch.optim.Optimizer, Any]:
@@ -369,7 +366,7 @@ def _save(ckpts, step, policy, optimizer, scheduler, sampler, before) -> None:
         step,
         save_model=policy.save_pretrained,
         state=state,
-        check_finite=list(policy.model.named_parameters()),
+        check_finite=policy.trainable_parameters(),
     )
 
 
@@ -378,18 +375,7 @@ def _resume(path: Path, policy, optimizer, scheduler, sampler) -> tuple[int, dic
     if state.get("adapter") is not None:
         policy.load_state_dict(state["adapter"])
     else:
-        from safetensors.torch import load_file
-
-        weights: dict[str, torch.Tensor] = {}
-        for f in sorted((path / "model").glob("*.safetensors")):
-            weights.update(load_file(f))
-        missing, unexpected = policy.model.load_state_dict(weights, strict=False)
-        tied = {"lm_head.weight"}
-        if unexpected or set(missing) - tied:
-            raise ValueError(
-                f"checkpoint {path} does not match the model: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
+        policy.load_saved_weights(path / "model")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])

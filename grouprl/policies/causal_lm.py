@@ -275,6 +275,31 @@ class CausalLMPolicy:
     def eval(self) -> CausalLMPolicy:
         return self.train(False)
 
+    def load_saved_weights(self, directory: str | Path) -> None:
+        """Load full weights written by save_pretrained (resume without LoRA). The lm_head may be
+        absent (tied to the embeddings); any other missing or unexpected key is an error."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {str(directory)!r}")
+        weights: dict[str, Tensor] = {}
+        for f in files:
+            weights.update(load_file(f))
+        missing, unexpected = _hf_model(self.model).load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(
+                f"weights in {str(directory)!r} do not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    def to(self, device: torch.device | str) -> CausalLMPolicy:
+        """Move the model (and the reference copy, if one was made) to `device`."""
+        self.model.to(device)
+        if self._ref_model is not None:
+            self._ref_model.to(device)
+        return self
+
     def state_dict(self) -> dict[str, Tensor]:
         """Full weights, or only the trainable (adapter) weights under LoRA."""
         if self.lora is None:
