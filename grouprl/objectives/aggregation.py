@@ -5,6 +5,17 @@ Modes (names as in the `algorithm.aggregation` config field):
 - seq_mean_token_mean      sum_i [sum_t m*l / |o_i|] / num_seqs           (GRPO arXiv 2402.03300)
 - seq_mean_token_sum       sum_i sum_t m*l / num_seqs
 - seq_mean_token_sum_norm  sum(m*l) / (num_seqs * max_len)                (Dr. GRPO arXiv 2503.20783)
+- delta_l                  sum_i w_i sum_t m*l / (num_seqs * max_len)     (Delta-L arXiv 2509.07558)
+
+Sequence weights. `seq_weights` Float[n] (detached) multiply each row's loss before any mode reduces
+it; delta_l requires them (w = delta_l_weights over the WHOLE step batch, each micro-batch gets its
+slice, so the split stays exact). For the PPO-clip surrogates, weighting the loss by w_i >= 0 equals
+the official Delta-L code's scaling of the advantage by w_i (the clip only looks at sign(A)).
+
+Delta-L (METHODS section 5; official code zerolllin/Delta-L-Normalization). w_i = L_i^-alpha /
+mean_k L_k^-alpha over the step batch (alpha 0.75 math, 1.0 countdown); rows of length 0 get w = 0
+and are left out of the mean. Deviation, as for Dr. GRPO below: the official loss divides by the
+micro-batch size and its padded width; we divide by the global num_seqs and the configured max_len.
 
 Gradient accumulation. `num_tokens` and `num_seqs` are the GLOBAL counts of the whole optimizer step
 (every micro-batch, every process). Each micro-batch then contributes exactly its share, and the sum
@@ -64,16 +75,46 @@ def seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs, max
     return _masked(loss_mat, mask).sum() / safe_count(num_seqs)
 
 
+def _check_max_len(mode: str, paper: str, max_len) -> None:
+    if max_len is None or max_len <= 0:
+        raise ValueError(
+            f"aggregation {mode!r} ({paper}) needs max_len = the configured maximum completion length (a "
+            f"positive constant), got {max_len!r}"
+        )
+
+
 @AGGREGATIONS.register("seq_mean_token_sum_norm")
 def seq_mean_token_sum_norm(
     loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs, max_len
 ) -> Tensor:
-    if max_len is None or max_len <= 0:
-        raise ValueError(
-            "aggregation 'seq_mean_token_sum_norm' (Dr. GRPO) needs max_len = the configured maximum "
-            f"completion length (a positive constant), got {max_len!r}"
-        )
+    _check_max_len("seq_mean_token_sum_norm", "Dr. GRPO", max_len)
     return _masked(loss_mat, mask).sum() / (safe_count(num_seqs) * max_len)
+
+
+@AGGREGATIONS.register("delta_l")
+def delta_l(loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs, max_len) -> Tensor:
+    # the weights w_i were applied to the rows by aggregate(); the normaliser is Dr. GRPO's
+    _check_max_len("delta_l", "Delta-L", max_len)
+    return _masked(loss_mat, mask).sum() / (safe_count(num_seqs) * max_len)
+
+
+_NEEDS_SEQ_WEIGHTS = ("delta_l",)
+
+
+def delta_l_weights(lengths: Tensor, alpha: float) -> Tensor:
+    """Delta-L weights w_i = L_i^-alpha / mean_k L_k^-alpha over rows with L_k > 0, 0 for L_i = 0.
+    lengths Float[N] (the whole step batch) -> Float[N], detached."""
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be Float[N], got shape {tuple(lengths.shape)}")
+    if not alpha >= 0:
+        raise ValueError(f"delta_l_alpha must be >= 0, got {alpha!r}")
+    lengths = lengths.detach().to(torch.promote_types(lengths.dtype, torch.float32))  # [N]
+    if (lengths < 0).any():
+        raise ValueError("lengths must be >= 0")
+    pos = lengths > 0  # [N]
+    raw = torch.where(pos, lengths.clamp(min=1e-30) ** -alpha, torch.zeros_like(lengths))  # [N]
+    mean = raw.sum() / pos.sum().clamp(min=1)  # scalar
+    return torch.where(pos, raw / mean.clamp(min=1e-30), torch.zeros_like(raw))  # [N]
 
 
 def local_counts(mask: Tensor) -> tuple[int, int]:
@@ -89,8 +130,10 @@ def aggregate(
     num_tokens: int | float | Tensor | None = None,
     num_seqs: int | float | Tensor | None = None,
     max_len: int | None = None,
+    seq_weights: Tensor | None = None,
 ) -> Tensor:
-    """Reduce loss_mat [n, T] over the valid slots of mask [n, T] (bool) to a scalar, see module doc."""
+    """Reduce loss_mat [n, T] over the valid slots of mask [n, T] (bool) to a scalar, see module doc.
+    seq_weights: optional Float[n] per-row weights (required by delta_l)."""
     fn = AGGREGATIONS[mode]
     if loss_mat.dim() != 2 or loss_mat.shape != mask.shape:
         raise ValueError(
@@ -99,6 +142,19 @@ def aggregate(
         )
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
+    if seq_weights is None and mode in _NEEDS_SEQ_WEIGHTS:
+        raise ValueError(
+            f"aggregation {mode!r} needs seq_weights (Float[n], e.g. delta_l_weights of the whole "
+            "step batch's lengths, sliced to this micro-batch), got None"
+        )
+    if seq_weights is not None:
+        if seq_weights.shape != loss_mat.shape[:1]:
+            raise ValueError(
+                f"seq_weights must be [n] = {tuple(loss_mat.shape[:1])}, got "
+                f"{tuple(seq_weights.shape)}"
+            )
+        w = seq_weights.detach().masked_fill(~mask.any(-1), 0.0)  # [n] empty rows stay 0
+        loss_mat = _masked(loss_mat, mask) * w[:, None]  # [n, T]
     if num_tokens is None or num_seqs is None:
         tokens, seqs = local_counts(mask)
         num_tokens = tokens if num_tokens is None else num_tokens
