@@ -13,7 +13,7 @@ from grouprl.objectives.advantages import ADVANTAGES, compute_advantages
 
 EPS = 1e-4
 NAN = float("nan")
-ALL = ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"]
+ALL = ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "tpo"]
 
 # The shared example: group 0 = [1, 0, 0, 1], group 1 = [2, 4, 6].
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0])
@@ -135,6 +135,15 @@ def test_nan_sample_excluded_from_statistics(name):
     without = adv(name, torch.tensor([1.0, 0.0, 1.0, 5.0, 2.0]), torch.tensor([0, 0, 0, 1, 1]))
     assert with_nan[1] == 0.0
     close(with_nan[[0, 2, 3, 4, 5]], without.tolist())
+
+
+def test_tpo_population_std():
+    # group 0: mean 0.5, population std 0.5 -> [1, -1, -1, 1]
+    # group 1: mean 4, population var (4 + 0 + 4) / 3 = 8/3 -> (R - 4) / sqrt(8/3)
+    s = math.sqrt(8 / 3)
+    close(adv("tpo"), [1.0, -1.0, -1.0, 1.0, -2 / s, 0.0, 2 / s])
+    # scale and eps play no part (no eps in the denominator)
+    close(adv("tpo", scale="none", eps=0.5), adv("tpo").tolist())
 
 
 def test_rloo_single_valid_member():

@@ -9,6 +9,9 @@ Estimators (one registered function each; look them up by name in `ADVANTAGES`):
   opo                    R - sum_j L_j R_j / sum_j L_j (length-weighted group mean)  OPO, arXiv 2505.23585
   gpg                    alpha * (R - mean_g), alpha = n_valid / #(valid R != 0)     GPG, arXiv 2504.02546
   grpo_passk             best member gets (r_max - r_second) [/ (std + eps)], others 0  arXiv 2503.19595
+  tpo                    (R - mean_g) / std_g^pop, no eps (population std, /n)  TPO, arXiv 2604.06159
+                         (METHODS section 9); `scale` and `eps` are ignored. The standardised score u
+                         that surrogate "tpo" tilts its target with.
 
 Multi-reward (a dict of Float[N] with `weights`):
   sum_then_normalize (default)  R_i = sum_k w_k r_ik (NaN entries skipped), then the estimator.
@@ -48,7 +51,7 @@ from torch import Tensor
 from grouprl.objectives.registry import Registry
 
 AdvantageName = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"
+    "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "tpo"
 ]
 Scale = Literal["group", "batch", "none"]
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
@@ -212,6 +215,13 @@ def grpo_passk(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor 
     keep = is_best & ~g.degenerate(r)  # [N]  a tie at the top gives gap 0 anyway
     gap = torch.where(keep, r_max - r_second, torch.zeros_like(r))  # [N]
     return _divide_by_std(gap, r, g, scale, eps)  # [N]
+
+
+@ADVANTAGES.register("tpo")
+def tpo(r: Tensor, g: Groups, *, scale: str, eps: float, lengths: Tensor | None) -> Tensor:
+    c = g.centered(r)  # [N] exactly 0 in degenerate groups (zero variance, fewer than 2 valid)
+    pop_std = (g.sum(c * c) / g.count(r.dtype).clamp(min=1)).sqrt()  # [N] population std
+    return torch.where(c != 0, c / pop_std.clamp(min=torch.finfo(r.dtype).tiny), c)  # [N]
 
 
 # ----------------------------------------------------------------------------- entry point
