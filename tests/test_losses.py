@@ -31,7 +31,7 @@ def _run(logp_vals, old_vals, adv, mask=None, **kw):
 
 def test_registries_match_the_config_names():
     assert sorted(SURROGATES.names()) == sorted(
-        ["clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov"]
+        ["clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov", "pmd", "tpo"]
     )
     assert sorted(RATIO_LEVELS.names()) == ["geometric", "sequence", "token"]
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.kl import kl_penalty
 from grouprl.objectives.losses import policy_loss
 from grouprl.objectives.objective import count_tokens, total_loss
@@ -170,7 +171,8 @@ def test_missing_inputs_fail_loudly():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_runs_and_splits_into_micro_batches(name):
     """Each preset, with KL and entropy terms switched on, gives the same loss and gradient as one
-    batch or as three micro-batches aggregated with the global counts."""
+    batch or as three micro-batches (of whole groups) aggregated with the global counts; delta_l
+    gets whole-batch seq_weights sliced per micro-batch."""
     g = torch.Generator().manual_seed(0)
     n, t = 6, 5
     lengths = torch.tensor([5, 1, 0, 3, 4, 2])
@@ -182,15 +184,19 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
     ent0 = torch.rand(n, t, generator=g, dtype=F64)
     adv = torch.randn(n, generator=g, dtype=F64)
     settings = {**preset_settings(name), "kl_coef": 0.05, "kl_mode": "loss", "entropy_coef": 0.01}
-    settings["engine_correction"] = "token_truncate"
+    if settings["surrogate"] != "tpo":  # TPO scores whole sequences: it refuses token weights
+        settings["engine_correction"] = "token_truncate"
     algo = _algo(**settings)
-    counts = count_tokens(mask, max_len=8)
+    group_ids = torch.tensor([0, 0, 1, 2, 2, 2])  # the micro-batches below hold whole groups
+    counts = count_tokens(mask, max_len=8, group_ids=group_ids)
+    w = delta_l_weights(lengths.double(), 0.75) if algo.aggregation == "delta_l" else None
 
     def run(rows, width, logp, ent):
         return total_loss(
             PolicyOutput(logp=logp[rows, :width], entropy=ent[rows, :width]),
             old_logp=old[rows, :width], advantages=adv[rows], mask=mask[rows, :width], algo=algo,
             counts=counts, ref_logp=ref[rows, :width], engine_logp=engine[rows, :width],
+            group_ids=group_ids[rows], seq_weights=None if w is None else w[rows],
         )  # fmt: skip
 
     logp_a, ent_a = logp0.clone().requires_grad_(True), ent0.clone().requires_grad_(True)

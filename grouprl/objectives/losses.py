@@ -33,8 +33,17 @@ Surrogates (`surrogate`), per-slot losses l (to minimise), then token_weights, t
              drops their value; detaching gives the same gradient and keeps the logged loss honest.
 - kl_cov     same paper: l = -A rho (no clip) and, for the top max(1, int(kl_cov_ratio * n_valid))
              valid slots by cov, l += kl_cov_coef * |log rho|.
+- pmd        PMD-mean (arXiv 2602.05933, METHODS section 2), group_losses.py: (tau/2)(A/tau - Delta_i)^2
+             / |o_i| on each slot, Delta_i = summed token log-ratio; no clip. ratio_level "token" only.
+- tpo        TPO (arXiv 2604.06159, METHODS section 9), group_losses.py: cross-entropy to a target over
+             each group's candidates; it needs group_ids, reduces by itself (aggregation IGNORED,
+             divided by num_groups = the global number of groups, default the groups here), and
+             refuses token weights other than 1 and seq_weights. ratio_level "token" only.
 clip_cov / kl_cov select slots within one call, so unlike the others they are not exactly invariant
 to splitting a batch into micro-batches (true of the reference implementation as well).
+
+seq_weights (Float[n], optional): per-row loss weights passed to aggregate() (delta_l needs them); at
+ratio_level "geometric" they multiply each sequence's term.
 
 Metrics (floats over valid slots; 0 when there are none): clip_frac_low (A < 0 and rho < 1-eps_low),
 clip_frac_high (A > 0 and rho > 1+eps_high), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
@@ -51,6 +60,14 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives.aggregation import aggregate, local_counts, safe_count
+from grouprl.objectives.group_losses import (
+    GROUP_SURROGATES,
+    PMD_TAU,
+    TPO_ETA,
+    check_group_options,
+    pmd_surrogate,
+    tpo_surrogate,
+)
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
 
@@ -83,6 +100,11 @@ class _Batch:
     kl_cov_ratio: float
     kl_cov_coef: float
     generator: torch.Generator | None
+    pmd_tau: float = PMD_TAU
+    tpo_eta: float = TPO_ETA
+    group_ids: Tensor | None = None
+    num_groups: int | float | Tensor | None = None
+    seq_weights: Tensor | None = None
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -187,6 +209,10 @@ def kl_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
     return loss, {"kl_cov_frac": _masked_mean(chosen.float(), b.mask)}
 
 
+SURROGATES.register("pmd")(pmd_surrogate)
+SURROGATES.register("tpo")(tpo_surrogate)
+
+
 def _ratio_metrics(ratio: Tensor, valid: Tensor) -> dict:
     vals = ratio.detach()[valid]  # [K]
     if vals.numel() == 0:
@@ -200,7 +226,7 @@ def _tokenwise(log_ratio_fn, b: _Batch) -> tuple[Tensor, dict]:
     loss_mat, extra = SURROGATES[b.surrogate](log_ratio, b)  # [n, T]
     if b.token_weights is not None:
         loss_mat = loss_mat * b.token_weights  # [n, T]
-    loss = aggregate(loss_mat, b.mask, b.aggregation, **b.counts)  # scalar
+    loss = aggregate(loss_mat, b.mask, b.aggregation, **b.counts, seq_weights=b.seq_weights)
     ratio = _exp_ratio(log_ratio.detach())  # [n, T]
     low, high, dual = _clip_flags(ratio, b)  # [n, T] each
     metrics = {
@@ -233,6 +259,8 @@ def _geometric(b: _Batch) -> tuple[Tensor, dict]:
     if b.token_weights is not None:
         log_w = torch.log(b.token_weights + 1e-10).masked_fill(~b.mask, 0.0)  # [n, T]
         per_seq = per_seq * (log_w.sum(-1) / lengths).exp()  # [n] geometric-mean weight
+    if b.seq_weights is not None:
+        per_seq = per_seq * b.seq_weights  # [n]
     num_seqs = b.counts.get("num_seqs")
     num_seqs = local_counts(b.mask)[1] if num_seqs is None else num_seqs
     loss = per_seq.sum() / safe_count(num_seqs)  # scalar
@@ -245,7 +273,15 @@ def _geometric(b: _Batch) -> tuple[Tensor, dict]:
     return loss, metrics
 
 
-def _check_shapes(logp, old_logp, advantages, mask, token_weights) -> None:
+def _group_level(b: _Batch) -> tuple[Tensor, dict]:
+    """Surrogates with their own reduction over groups (TPO): no aggregate(), no clip."""
+    loss, metrics = SURROGATES[b.surrogate](_token_log_ratio(b), b)  # scalar
+    ratio = _exp_ratio(_token_log_ratio(b).detach())  # [n, T] monitored only
+    zero = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
+    return loss, {**zero, **_ratio_metrics(ratio, b.mask), **metrics}
+
+
+def _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights) -> None:
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, old_logp and mask must all be [n, T]; got {tuple(logp.shape)}, "
@@ -261,6 +297,10 @@ def _check_shapes(logp, old_logp, advantages, mask, token_weights) -> None:
         raise ValueError(
             f"token_weights must be [n, T] = {tuple(logp.shape)}, got {tuple(token_weights.shape)}"
         )
+    if seq_weights is not None and seq_weights.shape != logp.shape[:1]:
+        raise ValueError(
+            f"seq_weights must be [n] = {tuple(logp.shape[:1])}, got {tuple(seq_weights.shape)}"
+        )
 
 
 def _check_options(b: _Batch, ratio_level: str) -> None:
@@ -270,6 +310,7 @@ def _check_options(b: _Batch, ratio_level: str) -> None:
     for name, value in (("clip_cov_ratio", b.clip_cov_ratio), ("kl_cov_ratio", b.kl_cov_ratio)):
         if not 0 < value <= 1:
             raise ValueError(f"{name} is a fraction of the valid tokens, in (0, 1]; got {value}")
+    check_group_options(b, ratio_level)
     if ratio_level == "geometric" and b.surrogate != "clip":
         raise ValueError(
             "ratio_level 'geometric' (GMPO) has its own log-space clip; use surrogate 'clip', "
@@ -312,10 +353,16 @@ def policy_loss(
     kl_cov_ratio: float = 2e-4,
     kl_cov_coef: float = 1.0,
     generator: torch.Generator | None = None,
+    pmd_tau: float = PMD_TAU,
+    tpo_eta: float = TPO_ETA,
+    group_ids: Tensor | None = None,
+    num_groups: int | float | Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> LossOutput:
     """Policy-gradient loss of logp [n, T] (differentiable) against old_logp [n, T], with advantages
-    [n] or [n, T], over mask [n, T] (bool). Counts are the global ones (see aggregation.py)."""
-    _check_shapes(logp, old_logp, advantages, mask, token_weights)
+    [n] or [n, T], over mask [n, T] (bool). Counts are the global ones (see aggregation.py).
+    group_ids [n] and num_groups (global) serve TPO; seq_weights [n] go to aggregate()."""
+    _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights)
     adv = advantages.detach().to(logp.dtype)  # [n] or [n, T]
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv  # [n, T]
     # Padding may hold anything (NaN, -inf): zero it once here, so no surrogate ever multiplies a
@@ -331,9 +378,12 @@ def policy_loss(
         sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
         clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub,
         kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef, generator=generator,
+        pmd_tau=pmd_tau, tpo_eta=tpo_eta, group_ids=group_ids, num_groups=num_groups,
+        seq_weights=None if seq_weights is None else seq_weights.detach().to(logp.dtype),
     )  # fmt: skip
     _check_options(b, ratio_level)
-    loss, metrics = RATIO_LEVELS[ratio_level](b)
+    level = _group_level if surrogate in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
+    loss, metrics = level(b)
     log_rho = _token_log_ratio(b).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
     metrics["approx_kl"] = _masked_mean(log_rho.exp() - 1 - log_rho, mask)  # k3 of KL(old || new)
     metrics["pg_loss"] = loss.detach()

@@ -1,6 +1,6 @@
 """The one composed loss train.py uses for every modality (text tokens, denoising steps, agent turns).
 
-    loss = policy_loss(weighted by engine-IS weights and the high-entropy mask)
+    loss = pg_coef * policy_loss(weighted by engine-IS weights, the high-entropy mask, token_scales)
          + kl_coef * aggregate(KL)            when kl_mode == "loss" and kl_coef > 0
          - entropy_coef * aggregate(H)        when entropy_coef != 0
 
@@ -19,6 +19,16 @@ Choices:
   without reference log-probs, an entropy mask or bonus without entropies, or an entropy bonus on a
   non-differentiable entropy all raise.
 - A policy may replace the token KL estimators (flow models: Gaussian mean-space KL) via `kl_out`.
+- pg_coef (default 1.0; 0 = entropy-only training, arXiv 2504.20571, METHODS section 12) scales the
+  policy term only. `pg_loss` is logged before the coefficient, `loss` after.
+- token_scales [n, T] (detached; lambda-GRPO scales x EGSW weights, token_scales.py) multiply the
+  per-token policy loss like the engine weights: normalisers unchanged, KL and entropy untouched.
+- seq_weights [n] (delta_l): they weight the policy term only. The KL and entropy terms are
+  aggregated with the same mode and counts but unit weights, because the official Delta-L code
+  scales the advantages by w_i, which the KL and entropy terms never see.
+- group_ids [n] and counts["num_groups"] (count_tokens(..., group_ids=...)) serve surrogate "tpo";
+  algorithm fields pmd_tau, tpo_eta, pg_coef are read with getattr and their defaults, so config
+  objects without them still work.
 
 Metrics: `loss`, `pg_loss` (and `kl_loss`, `entropy_loss` when active) are this micro-batch's share of
 the step's loss: sum them over micro-batches. `kl` and `entropy` are means over this micro-batch's
@@ -35,6 +45,7 @@ from torch import Tensor
 from grouprl.objectives.aggregation import aggregate, local_counts
 from grouprl.objectives.correction import engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask
+from grouprl.objectives.group_losses import PMD_TAU, TPO_ETA
 from grouprl.objectives.kl import kl_penalty
 from grouprl.objectives.losses import policy_loss
 from grouprl.types import LossOutput, PolicyOutput
@@ -42,26 +53,40 @@ from grouprl.types import LossOutput, PolicyOutput
 _KL_MODES = ("loss", "reward")
 
 
-def count_tokens(mask: Tensor, max_len: int | None = None) -> dict[str, int]:
+_AGG_COUNTS = ("num_tokens", "num_seqs", "max_len")  # the counts aggregate() takes
+
+
+def count_tokens(
+    mask: Tensor, max_len: int | None = None, group_ids: Tensor | None = None
+) -> dict[str, int]:
     """Counts of a full optimizer-step batch mask [N, T], for aggregate()/total_loss(`counts`).
 
     max_len should be the configured maximum completion length (the Dr. GRPO constant); it
-    defaults to the padded width T. Under data parallelism, sum num_tokens / num_seqs over processes.
+    defaults to the padded width T. With group_ids [N], also num_groups = distinct groups with at
+    least one non-empty row (TPO's divisor). Under data parallelism, sum the counts over processes.
     """
-    tokens, seqs = local_counts(mask.bool())
-    return {
+    mask = mask.bool()
+    tokens, seqs = local_counts(mask)
+    counts = {
         "num_tokens": tokens,
         "num_seqs": seqs,
         "max_len": int(mask.shape[-1] if max_len is None else max_len),
     }
+    if group_ids is not None:
+        if group_ids.shape != mask.shape[:1]:
+            raise ValueError(
+                f"group_ids must be [N] = {tuple(mask.shape[:1])}, got {tuple(group_ids.shape)}"
+            )
+        counts["num_groups"] = int(torch.unique(group_ids[mask.any(-1)]).numel())
+    return counts
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float(x.detach().masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1))
 
 
-def _token_weights(policy_out, old_logp, mask, algo, engine_logp, metrics) -> Tensor:
-    """Engine-IS weights [n, T] (ones for "none") times the high-entropy selection mask."""
+def _token_weights(policy_out, old_logp, mask, algo, engine_logp, token_scales, metrics) -> Tensor:
+    """Engine-IS weights [n, T] (ones for "none") x the high-entropy selection mask x token_scales."""
     weights, corr_metrics = engine_is_weights(
         old_logp,
         engine_logp,
@@ -80,6 +105,14 @@ def _token_weights(policy_out, old_logp, mask, algo, engine_logp, metrics) -> Te
         keep = high_entropy_mask(policy_out.entropy, mask, algo.top_entropy_quantile)  # [n, T]
         weights = weights * keep  # [n, T]
         metrics["entropy_mask_frac"] = _masked_mean(keep.float(), mask)
+    if token_scales is not None:
+        if token_scales.shape != mask.shape:
+            raise ValueError(
+                f"token_scales must be [n, T] = {tuple(mask.shape)}, got {tuple(token_scales.shape)}"
+            )
+        scales = token_scales.detach().to(weights.dtype).masked_fill(~mask, 0.0)  # [n, T]
+        weights = weights * scales  # [n, T]
+        metrics["token_scale_mean"] = _masked_mean(scales, mask)
     return weights.to(policy_out.logp.dtype)  # [n, T]
 
 
@@ -141,18 +174,26 @@ def total_loss(
     engine_logp: Tensor | None = None,
     kl_out: Tensor | None = None,
     generator: torch.Generator | None = None,
+    group_ids: Tensor | None = None,
+    token_scales: Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> LossOutput:
     """The training loss of one micro-batch (see module docstring).
 
     policy_out: logp [n, T] (differentiable), optional entropy [n, T]. old_logp / ref_logp /
     engine_logp / kl_out: [n, T]. advantages: [n] or [n, T]. mask: Bool[n, T].
     algo: anything with the `algorithm:` config fields (attribute access). counts: global
-    {num_tokens, num_seqs, max_len} of the optimizer step (count_tokens). generator: for clip_cov.
+    {num_tokens, num_seqs, max_len[, num_groups]} of the optimizer step (count_tokens). generator:
+    for clip_cov. group_ids [n]: for TPO. token_scales [n, T], seq_weights [n]: see module doc.
     """
     mask = mask.bool()  # [n, T]
     logp = policy_out.logp  # [n, T]
     metrics: dict[str, float] = {}
-    weights = _token_weights(policy_out, old_logp, mask, algo, engine_logp, metrics)  # [n, T]
+    weights = _token_weights(
+        policy_out, old_logp, mask, algo, engine_logp, token_scales, metrics
+    )  # [n, T]
+    agg_counts = {k: v for k, v in counts.items() if k in _AGG_COUNTS}
+    unit = None if seq_weights is None else torch.ones_like(seq_weights)  # [n] for KL / entropy
     pg = policy_loss(
         logp, old_logp, advantages, mask,
         ratio_level=algo.ratio_level, surrogate=algo.surrogate,
@@ -161,13 +202,16 @@ def total_loss(
         sapo_tau_pos=algo.sapo_tau_pos, sapo_tau_neg=algo.sapo_tau_neg,
         clip_cov_ratio=algo.clip_cov_ratio, clip_cov_lb=algo.clip_cov_lb, clip_cov_ub=algo.clip_cov_ub,
         kl_cov_ratio=algo.kl_cov_ratio, kl_cov_coef=algo.kl_cov_coef,
-        generator=generator, **counts,
+        pmd_tau=getattr(algo, "pmd_tau", PMD_TAU), tpo_eta=getattr(algo, "tpo_eta", TPO_ETA),
+        group_ids=group_ids, num_groups=counts.get("num_groups"), seq_weights=seq_weights,
+        generator=generator, **agg_counts,
     )  # fmt: skip
     metrics.update(pg.metrics)
-    loss = pg.loss  # scalar
+    loss = getattr(algo, "pg_coef", 1.0) * pg.loss  # scalar
+    agg_counts = {**agg_counts, "seq_weights": unit}
     for term in (
-        _kl_term(logp, mask, algo, counts, ref_logp, kl_out, metrics),
-        _entropy_term(policy_out.entropy, logp, mask, algo, counts, metrics),
+        _kl_term(logp, mask, algo, agg_counts, ref_logp, kl_out, metrics),
+        _entropy_term(policy_out.entropy, logp, mask, algo, agg_counts, metrics),
     ):
         if term is not None:
             loss = loss + term  # scalar
