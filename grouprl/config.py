@@ -97,9 +97,11 @@ class RolloutConfig(_Section):
     )
 
 
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"]
+Advantage = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "tpo"
+]
 Aggregation = Literal[
-    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "delta_l"
 ]
 Correction = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -113,9 +115,10 @@ class AlgorithmConfig(_Section):
         "sum_then_normalize", description="How several rewards combine (GDPO = normalize_then_sum)."
     )
     ratio_level: Literal["token", "sequence", "geometric"] = Field("token", description="Ratio.")
-    surrogate: Literal["clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov"] = Field(
-        "clip", description="Policy-gradient surrogate."
+    surrogate: Literal["clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov", "pmd", "tpo"] = (
+        Field("clip", description="Policy-gradient surrogate.")
     )
+    pg_coef: float = Field(1.0, ge=0, description="Weight of the policy-gradient term (0: none).")
     eps_low: float = Field(0.2, ge=0, description="Lower clip range (1 - eps_low).")
     eps_high: float = Field(0.2, ge=0, description="Upper clip range (1 + eps_high).")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for A < 0.")
@@ -126,7 +129,24 @@ class AlgorithmConfig(_Section):
     clip_cov_ub: float = Field(5.0, description="Clip-Cov covariance upper bound.")
     kl_cov_ratio: float = Field(2e-4, ge=0, le=1, description="KL-Cov token fraction.")
     kl_cov_coef: float = Field(1.0, ge=0, description="KL-Cov penalty coefficient.")
+    pmd_tau: float = Field(0.01, gt=0, description="PMD-mean temperature tau (arXiv 2602.05933).")
+    tpo_eta: float = Field(1.0, gt=0, description="TPO target temperature eta (arXiv 2604.06159).")
     aggregation: Aggregation = Field("seq_mean_token_mean", description="Loss aggregation.")
+    delta_l_alpha: float = Field(
+        0.75, ge=0, description="Delta-L length exponent (arXiv 2509.07558)."
+    )
+    token_scale: Literal["none", "prefix_share"] = Field(
+        "none", description="prefix_share: lambda-GRPO 1/k token scales (arXiv 2509.21154)."
+    )
+    egsw: Literal["off", "sequence", "token"] = Field(
+        "off", description="Entropy-guided weights over the group (arXiv 2503.22456)."
+    )
+    egsw_alpha: float = Field(
+        0.1, description="EGSW entropy coefficient alpha; the paper's value is unconfirmed."
+    )
+    egsw_temperature: float = Field(
+        1.0, gt=0, description="EGSW softmax temperature P; the paper's value is unconfirmed."
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = Field("k3", description="KL estimator.")
     kl_mode: Literal["loss", "reward"] = Field("loss", description="KL as loss term or in reward.")
@@ -150,6 +170,16 @@ class AlgorithmConfig(_Section):
             preset = data.get("preset", "grpo")
             data = {**preset_settings(preset), **data, "preset": preset}
         return data
+
+
+class CurriculumConfig(_Section):
+    type: Literal["none", "dump"] = Field(
+        "none", description="none: uniform prompts; dump: UCB over data sources (arXiv 2504.09710)."
+    )
+    source_column: str = Field("source", description="Example column naming its data source.")
+    window: int = Field(300, ge=1, description="DUMP: |advantage| values kept per source.")
+    c: float = Field(1.0, ge=0, description="DUMP: UCB exploration coefficient.")
+    temperature: float = Field(0.1, gt=0, description="DUMP: softmax temperature over sources.")
 
 
 class TrainConfig(_Section):
@@ -183,9 +213,27 @@ class Config(_Section):
     rewards: list[RewardConfig] = Field(default_factory=list, description="Empty: task defaults.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset_sections(cls, data: Any) -> Any:
+        """Preset settings for other sections ("rollout.group_size") fill fields left unset."""
+        if not isinstance(data, dict):
+            return data
+        algo = data.get("algorithm") or {}
+        if not isinstance(algo, dict):
+            return data
+        data = dict(data)
+        for key, value in preset_settings(algo.get("preset", "grpo"), sections=True).items():
+            section, field = key.split(".", 1)
+            current = data.get(section) or {}
+            if isinstance(current, dict) and field not in current:
+                data[section] = {**current, field: value}
+        return data
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:

@@ -25,11 +25,13 @@ from grouprl.envs.rewards import build_reward, overlong_reward
 from grouprl.envs.tasks import build_task
 from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
-from grouprl.objectives import compute_advantages, count_tokens, sequence_kl, total_loss
+from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
 from grouprl.policies.causal_lm import CausalLMPolicy
+from grouprl.rollouts.curriculum import DumpSampler
 from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.filters import combined_reward, sample_until_full
+from grouprl.rollouts.filters import sample_until_full
+from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
 from grouprl.types import Rollout
 
@@ -79,6 +81,17 @@ def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
         need_reference=cfg.algorithm.kl_coef > 0,
     )
     return policy.to(device)
+
+
+def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:
+    """Uniform seeded sampling, or the DUMP curriculum over the examples' data sources."""
+    c = cfg.curriculum
+    if c.type == "dump":
+        return DumpSampler(
+            examples, source_column=c.source_column, window=c.window, c=c.c,
+            temperature=c.temperature, seed=cfg.run.seed,
+        )  # fmt: skip
+    return PromptSampler(examples, cfg.run.seed)
 
 
 def build_optimizer(cfg: Config, policy) -> tuple[torch.optim.Optimizer, Any]:
@@ -140,54 +153,9 @@ def rollout_step(
     return rollout, metrics
 
 
-@torch.no_grad()
-def prepare(cfg: Config, policy, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
-    """Fill old_logp / ref_logp (when needed) and advantages on the rollout; return reward metrics."""
-    a, temp = cfg.algorithm, cfg.rollout.temperature
-    batch = rollout.actions
-    single_pass = a.epochs == 1 and a.minibatches == 1
-    if cfg.rollout.old_logp == "recompute" and not single_pass:
-        rollout.old_logp = policy.log_probs(batch, temperature=temp, with_entropy=False).logp
-    # single pass: old_logp is set to the detached current logp inside update() (same weights)
-    if a.kl_coef > 0:
-        with policy.reference() as ref:
-            rollout.ref_logp = ref.log_probs(batch, temperature=temp)  # [N, T]
-        if a.kl_mode == "reward":
-            recomputed = cfg.rollout.old_logp == "recompute" and not single_pass
-            logp = (
-                rollout.old_logp
-                if recomputed
-                else policy.log_probs(batch, temperature=temp, with_entropy=False).logp
-            )  # [N, T] the trainer's log-probs, never the engine's
-            kl = sequence_kl(logp, rollout.ref_logp, rollout.mask, a.kl_estimator)
-            rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
-            weights = {**weights, "kl_penalty": 1.0}
-    rollout.advantages = compute_advantages(
-        a.advantage, rollout.rewards, rollout.group_ids,
-        weights={k: weights[k] for k in rollout.rewards},
-        reward_aggregation=a.reward_aggregation, lengths=batch.lengths.float(),
-        scale=a.scale, eps=a.adv_eps,
-    )  # fmt: skip  # [N]
-    total = combined_reward(rollout.rewards, weights)  # [N]
-    metrics = {"reward/mean": float(torch.nanmean(total)), "reward/std": float(_nanstd(total))}
-    for k, v in rollout.rewards.items():
-        metrics[f"reward/{k}"] = float(torch.nanmean(v)) if (~v.isnan()).any() else math.nan
-    lengths = batch.lengths.float()
-    metrics.update({"response_length/mean": float(lengths.mean()),
-                    "response_length/max": float(lengths.max()),
-                    "truncated_frac": float(batch.truncated.float().mean())})  # fmt: skip
-    return metrics
-
-
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    x = x[~x.isnan()]
-    return x.std() if x.numel() > 1 else torch.tensor(0.0)
-
-
 def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[str, float]:
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
-    n = len(rollout)
     single_pass = a.epochs == 1 and a.minibatches == 1
     need_entropy = a.entropy_coef != 0 or a.top_entropy_quantile < 1
     shares: dict[str, float] = {}  # loss terms: summed over micro-batches of an update
@@ -196,14 +164,16 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
     n_micro = n_updates = 0
     policy.train()
     for _ in range(a.epochs):
-        order = torch.randperm(n)
-        # exactly `minibatches` near-equal parts, also for a partial dynamic-sampling batch
-        for mb in torch.tensor_split(order, min(a.minibatches, n)):
-            micro = cfg.train.micro_batch_size or len(mb)
-            counts = count_tokens(rollout.mask[mb], max_len=cfg.rollout.max_new_tokens)
+        for mb, micro_batches in _split(rollout, a.minibatches, cfg.train.micro_batch_size,
+                                        whole_groups=a.surrogate in _GROUP_SURROGATES):  # fmt: skip
+            counts = count_tokens(
+                rollout.mask[mb],
+                max_len=cfg.rollout.max_new_tokens,
+                group_ids=rollout.group_ids[mb],
+            )  # global counts of this optimizer update: tokens, sequences, groups
             optimizer.zero_grad(set_to_none=True)
-            for m0 in range(0, len(mb), micro):
-                sub = rollout.select(mb[m0 : m0 + micro])
+            for idx in micro_batches:
+                sub = rollout.select(idx)
                 out = policy.log_probs(
                     sub.actions, temperature=temp, with_entropy=True, entropy_grad=need_entropy
                 )
@@ -213,6 +183,8 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
                 res = total_loss(
                     out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
                     algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
+                    group_ids=sub.group_ids, token_scales=sub.token_scales,
+                    seq_weights=sub.seq_weights,
                 )  # fmt: skip
                 if not torch.isfinite(res.loss):
                     raise NonFiniteLossError(
@@ -244,6 +216,43 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
+_GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a group
+
+
+def _split(rollout: Rollout, minibatches: int, micro_size: int | None, *, whole_groups: bool):
+    """Yield (minibatch indices, [micro-batch indices]) for one epoch in a random order.
+
+    Exactly `minibatches` near-equal parts, also for a partial dynamic-sampling batch. With
+    whole_groups the shuffled units are groups, so no group is ever split across micro-batches.
+    """
+    if whole_groups:
+        ids = torch.unique(rollout.group_ids)  # [B]
+        units = [
+            (rollout.group_ids == g).nonzero().squeeze(1) for g in ids[torch.randperm(len(ids))]
+        ]
+    else:
+        units = list(torch.randperm(len(rollout)).unsqueeze(1))  # one sample per unit
+    for part in _chunks(units, min(minibatches, len(units))):
+        mb = torch.cat(part)
+        size = micro_size or len(mb)
+        micro, current = [], []
+        for unit in part:  # fill micro-batches with whole units up to `size` samples
+            if current and sum(len(u) for u in current) + len(unit) > size:
+                micro.append(torch.cat(current))
+                current = []
+            current.append(unit)
+        micro.append(torch.cat(current))
+        yield mb, micro
+
+
+def _chunks(items: list, k: int) -> list[list]:
+    """k contiguous near-equal chunks (the first ones one longer), like torch.tensor_split."""
+    n, out, start = len(items), [], 0
+    for i in range(k):
+        end = start + n // k + (1 if i < n % k else 0)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 def _clip(policy, max_norm: float | None) -> float:
@@ -276,7 +285,7 @@ def train(cfg: Config) -> dict[str, Any]:
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, policy)
-    sampler = PromptSampler(task.train, cfg.run.seed)
+    sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
     ckpts = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
 
@@ -314,6 +323,11 @@ def train(cfg: Config) -> dict[str, Any]:
             step += 1
             if rollout is not None:
                 metrics.update(prepare(cfg, policy, rollout, weights))
+                if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
+                    column = cfg.curriculum.source_column
+                    sources = [ex[column] for ex in rollout.info["example"]]
+                    sampler.update(sources, rollout.advantages.tolist())
+                    metrics.update(sampler.metrics())
                 metrics.update(update(cfg, policy, optimizer, scheduler, rollout))
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")

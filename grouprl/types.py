@@ -84,6 +84,8 @@ class Rollout:
     engine_logp:  Float[N, T]|None  log-probs reported by the inference engine (mismatch correction)
     ref_logp:     Float[N, T]|None  log-probs under the frozen reference (filled when KL is on)
     advantages:   Float[N]|Float[N,T]|None  filled by train.py after scoring
+    token_scales: Float[N, T]|None  per-token loss scales (lambda-GRPO, EGSW), detached
+    seq_weights:  Float[N]|None     per-sequence loss weights (Delta-L), detached
     step_ids / step_rewards / anchor_keys: multi-turn extras (agents)
     info:         dict of per-sample lists (prompt text, completion text, answers ...)
     """
@@ -96,6 +98,8 @@ class Rollout:
     engine_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     advantages: Tensor | None = None
+    token_scales: Tensor | None = None
+    seq_weights: Tensor | None = None
     step_ids: Tensor | None = None
     step_rewards: Tensor | None = None
     anchor_keys: list | None = None

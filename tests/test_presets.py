@@ -4,55 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from grouprl.config import validate
 from grouprl.objectives.presets import PRESETS, Preset, preset_settings
 
-# The `algorithm:` section of the run config (grouprl/config.py), hard-coded on purpose: a preset
-# that drifts from the config's field names must fail here. Literal fields list their allowed values.
-LITERALS: dict[str, set[str]] = {
-    "advantage": {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"},
-    "scale": {"group", "batch", "none"},
-    "reward_aggregation": {"sum_then_normalize", "normalize_then_sum"},
-    "ratio_level": {"token", "sequence", "geometric"},
-    "surrogate": {"clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov"},
-    "aggregation": {
-        "token_mean",
-        "seq_mean_token_mean",
-        "seq_mean_token_sum",
-        "seq_mean_token_sum_norm",
-    },
-    "kl_estimator": {"k1", "k2", "k3", "k1+", "k3+"},
-    "kl_mode": {"loss", "reward"},
-    "engine_correction": {
-        "none",
-        "token_truncate",
-        "token_mask",
-        "sequence_truncate",
-        "sequence_mask",
-    },
-    "dynamic_sampling": {"off", "zero_variance"},
-    "overlong_shaping": {"off", "soft"},
-}
-FLOATS = {
-    "adv_eps", "eps_low", "eps_high", "sapo_tau_pos", "sapo_tau_neg", "clip_cov_ratio", "clip_cov_lb",
-    "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "kl_coef", "entropy_coef", "top_entropy_quantile",
-    "engine_correction_max", "engine_correction_min", "overlong_buffer_frac", "overlong_factor",
-}  # fmt: skip
-INTS = {"max_sampling_rounds", "epochs", "minibatches"}
-OPTIONAL_FLOATS = {"dual_clip_c"}
-FIELDS = set(LITERALS) | FLOATS | INTS | OPTIONAL_FLOATS  # "preset" itself is not a preset setting
-
 EXPECTED = [
-    "grpo",
-    "dr_grpo",
-    "dapo",
-    "gspo",
-    "gmpo",
-    "cispo",
-    "sapo",
-    "rloo",
-    "reinforce_pp",
-    "gpg",
-]
+    "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
+    "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo",
+]  # fmt: skip
+MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
 
 
 def test_preset_names():
@@ -61,21 +20,26 @@ def test_preset_names():
 
 
 @pytest.mark.parametrize("name", EXPECTED)
-def test_settings_use_only_config_fields_with_valid_values(name):
+def test_every_setting_is_a_config_field_and_lands_in_the_resolved_config(name):
+    """Validated through the real Config: unknown field names or disallowed values fail here, and
+    every setting (algorithm fields and "section.field" ones) appears in the resolved config."""
     preset = PRESETS[name]
     assert preset.arxiv.count(".") == 1 and preset.summary.endswith(".")
+    cfg = validate({**MINIMAL, "algorithm": {"preset": name}})
     settings = preset_settings(name)
-    assert settings["advantage"] in LITERALS["advantage"]  # every preset picks its estimator
+    assert "advantage" in settings  # every preset picks its estimator
     for key, value in settings.items():
-        assert key in FIELDS, f"{name}: {key!r} is not an algorithm field"
-        if key in LITERALS:
-            assert value in LITERALS[key], f"{name}: {key}={value!r}"
-        elif key in INTS:
-            assert type(value) is int
-        elif key in FLOATS:
-            assert type(value) is float, f"{name}: {key}={value!r} should be a float"
-        else:
-            assert value is None or type(value) is float
+        assert getattr(cfg.algorithm, key) == value, (name, key)
+        assert type(getattr(cfg.algorithm, key)) is type(value), (name, key)
+    for key, value in preset_settings(name, sections=True).items():
+        section, field = key.split(".")
+        assert getattr(getattr(cfg, section), field) == value, (name, key)
+
+
+def test_preset_for_another_section_yields_to_an_explicit_value():
+    cfg = validate({**MINIMAL, "algorithm": {"preset": "two_grpo"}, "rollout": {"group_size": 4}})
+    assert cfg.rollout.group_size == 4
+    assert validate({**MINIMAL, "algorithm": {"preset": "two_grpo"}}).rollout.group_size == 2
 
 
 def test_dapo_exact():
@@ -136,11 +100,22 @@ def test_unknown_preset_names_nearest():
     assert "allowed are" in str(err.value) and "dapo" in str(err.value)
 
 
-def test_literals_match_our_registries():
+def test_config_literals_match_our_registries():
+    from typing import get_args
+
+    from grouprl.config import AlgorithmConfig
     from grouprl.objectives.advantages import ADVANTAGES
+    from grouprl.objectives.aggregation import AGGREGATIONS
     from grouprl.objectives.correction import CORRECTIONS
     from grouprl.objectives.kl import KL_ESTIMATORS
+    from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES
 
-    assert set(ADVANTAGES.names()) == LITERALS["advantage"]
-    assert set(KL_ESTIMATORS.names()) == LITERALS["kl_estimator"]
-    assert set(CORRECTIONS.names()) == LITERALS["engine_correction"]
+    def allowed(name):
+        return set(get_args(AlgorithmConfig.model_fields[name].annotation))
+
+    assert allowed("advantage") == set(ADVANTAGES.names())
+    assert allowed("kl_estimator") == set(KL_ESTIMATORS.names())
+    assert allowed("engine_correction") == set(CORRECTIONS.names())
+    assert allowed("surrogate") == set(SURROGATES.names())
+    assert allowed("ratio_level") == set(RATIO_LEVELS.names())
+    assert allowed("aggregation") == set(AGGREGATIONS.names())

@@ -47,6 +47,15 @@ class Preset:
 
 _CLIP = {"surrogate": "clip", "ratio_level": "token"}
 _NO_KL = {"kl_coef": 0.0}
+_GRPO_CORE = {
+    "advantage": "grpo",
+    "scale": "group",
+    **_CLIP,
+    "eps_low": 0.2,
+    "eps_high": 0.2,
+    "aggregation": "seq_mean_token_mean",
+    **_NO_KL,
+}
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -203,14 +212,102 @@ PRESETS: dict[str, Preset] = {
                 **_NO_KL,
             },
         ),
+        # ---- methods of the field (issue 8; formulas in METHODS.md) ----
+        Preset(
+            "lambda_grpo",
+            "2509.21154",
+            "GRPO with each token's loss divided by the number of group members sharing its prefix.",
+            {**_GRPO_CORE, "token_scale": "prefix_share"},
+        ),
+        Preset(
+            "pmd_mean",
+            "2602.05933",
+            "Leave-one-out advantage; squared-error regression of the sequence log-ratio onto A/tau.",
+            {
+                "advantage": "rloo",
+                "surrogate": "pmd",
+                "ratio_level": "token",
+                "pmd_tau": 0.01,
+                "aggregation": "seq_mean_token_mean",
+                **_NO_KL,
+            },
+        ),
+        Preset(
+            "tpo",
+            "2604.06159",
+            "Cross-entropy fit of the group softmax to the old policy tilted by exp(u / eta).",
+            {
+                "advantage": "tpo",
+                "surrogate": "tpo",
+                "ratio_level": "token",
+                "tpo_eta": 1.0,
+                **_NO_KL,
+            },
+        ),
+        Preset(
+            "delta_l",
+            "2509.07558",
+            "GRPO advantages with length weights L^-alpha normalised over the batch, constant normaliser.",
+            {
+                "advantage": "grpo",
+                "scale": "group",
+                **_CLIP,
+                "eps_low": 0.2,
+                "eps_high": 0.3,
+                "dual_clip_c": 3.0,
+                "aggregation": "delta_l",
+                "delta_l_alpha": 0.75,
+                **_NO_KL,
+            },
+        ),
+        Preset(
+            "dump",
+            "2504.09710",
+            "GRPO with a UCB curriculum over data sources scored by mean |advantage|.",
+            {
+                **_GRPO_CORE,
+                "kl_coef": 0.001,
+                "kl_estimator": "k3",
+                "kl_mode": "loss",
+                "curriculum.type": "dump",
+            },
+        ),
+        Preset(
+            "egsw",
+            "2503.22456",
+            "GRPO re-weighted by a group softmax of (advantage + alpha * entropy) / P (partly unconfirmed).",
+            {**_GRPO_CORE, "egsw": "sequence", "egsw_alpha": 0.1, "egsw_temperature": 1.0},
+        ),
+        Preset(
+            "entropy_only",
+            "2504.20571",
+            "No policy-gradient term: only a token-mean entropy bonus (+0.001), no KL, temperature 0.6.",
+            {
+                **_GRPO_CORE,
+                "pg_coef": 0.0,
+                "entropy_coef": 0.001,
+                "aggregation": "token_mean",
+                "rollout.temperature": 0.6,
+            },
+        ),
+        Preset(
+            "two_grpo",
+            "2510.00977",
+            "Plain GRPO with groups of two (a DPO-like contrastive pair per prompt).",
+            {**_GRPO_CORE, "rollout.group_size": 2},
+        ),
     ]
 }
 
 
-def preset_settings(name: str) -> dict[str, object]:
-    """A fresh copy of the preset's settings; an unknown name raises, naming the nearest preset."""
+def preset_settings(name: str, *, sections: bool = False) -> dict[str, object]:
+    """A fresh copy of the preset's `algorithm:` settings, or with sections=True its settings for
+    other sections, keyed "section.field" (e.g. two_grpo's "rollout.group_size").
+
+    An unknown name raises, naming the nearest preset.
+    """
     if name not in PRESETS:
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1, cutoff=0.0)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(sorted(PRESETS))}{hint}")
-    return dict(PRESETS[name].settings)
+    return {k: v for k, v in PRESETS[name].settings.items() if ("." in k) == sections}

@@ -79,7 +79,9 @@ def chunked_head_logprobs(
     rows = _rows(N, T * (vocab_size or 1 << 17), chunk_size)
 
     def chunk_fn(h: Tensor, i: Tensor) -> tuple[Tensor, Tensor]:
-        logits = head(h).float() / temperature  # [c, T, V]
+        logits = head(h).float()  # [c, T, V]
+        if temperature != 1.0:  # skip the extra [c, T, V] copy in the common case
+            logits = logits / temperature
         lp, ent = token_logp_entropy(
             logits, i, with_entropy=with_entropy, entropy_grad=entropy_grad
         )  # [c, T] each
