@@ -262,3 +262,18 @@ def test_property_finite_zero_mean_and_degenerate_zero(samples, name):
         elif name in ("grpo", "dr_grpo", "rloo", "gpg", "opo"):
             # group-centred estimators (opo with equal lengths) sum to zero within a group
             assert abs(float(a[members].sum())) < 1e-9
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gpg",
+                                  "grpo_passk", "tpo"])  # fmt: skip
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_eps_zero_never_divides_zero_by_zero(name, scale):
+    """eps = 0 (no std offset): zero-variance groups still give exactly 0, never NaN. Rewards
+    (0, 1 | 1, 1 | 2): a discordant pair, a tied pair and a singleton."""
+    r = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0])
+    g = torch.tensor([0, 0, 1, 1, 2])
+    adv = compute_advantages(name, r, g, scale=scale, eps=0.0)
+    assert torch.isfinite(adv).all()
+    assert adv[2:].tolist() == [0.0, 0.0, 0.0]
+    flat = compute_advantages(name, torch.ones(4), torch.tensor([0, 0, 1, 1]), scale=scale, eps=0.0)
+    assert flat.tolist() == [0.0, 0.0, 0.0, 0.0]

@@ -94,3 +94,14 @@ def test_dump_resumes_identically(tmp_path, tiny_model_dir):
         CheckpointManager(tmp_path / "b" / "run").latest() / "model" / "model.safetensors"
     )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_grpo_pair_advantages_by_hand():
+    """G = 2, sample std (Bessel): a discordant pair (0, 1) has mean 0.5 and std sqrt(0.5) =
+    0.7071, so A = +-0.5 / 0.7071 = +-1/sqrt(2) (METHODS section 10); a tied pair gives 0."""
+    from grouprl.objectives import compute_advantages
+
+    adv = compute_advantages(
+        "grpo", torch.tensor([0.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), eps=0.0
+    )
+    assert adv.tolist() == pytest.approx([-(2**-0.5), 2**-0.5, 0.0, 0.0])

@@ -143,7 +143,9 @@ def _divide_by_std(adv: Tensor, r: Tensor, g: Groups, scale: str, eps: float) ->
     if scale == "none":
         return adv
     std = g.std(r) if scale == "group" else _batch_std(r, g.valid)  # [N] or scalar
-    return adv / (std + eps)  # [N]
+    denom = (std + eps) * torch.ones_like(adv)  # [N]
+    # a zero-variance group with eps=0 would be 0/0: its advantage is exactly 0 by definition
+    return torch.where(denom > 0, adv / denom.clamp(min=torch.finfo(adv.dtype).tiny), 0.0)  # [N]
 
 
 # ----------------------------------------------------------------------------- estimators
