@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     console = Console()
     cfg = load_config(CONFIG, args.overrides)
-    warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-seed{cfg.run.seed}"
+    # the warm-up is cached: its folder name carries everything it depends on
+    recipe = [cfg.task.model_dump(), MODEL, cfg.run.seed, args.warmup_max_steps, args.warmup_target]
+    key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-{key}"
     warm_dir.parent.mkdir(parents=True, exist_ok=True)
     model_dir = warm_up(cfg, warm_dir, args.warmup_max_steps, args.warmup_target, console)
     cfg = load_config(
