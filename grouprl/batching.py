@@ -1,0 +1,43 @@
+"""How one rollout batch is cut into minibatches (optimizer updates) and micro-batches."""
+
+from __future__ import annotations
+
+import torch
+
+from grouprl.types import Rollout
+
+
+def split_batch(rollout: Rollout, minibatches: int, micro_size: int | None, *, whole_groups: bool):
+    """Yield (minibatch indices, [micro-batch indices]) for one epoch in a random order.
+
+    Exactly `minibatches` near-equal parts, also for a partial dynamic-sampling batch. With
+    whole_groups the shuffled units are groups, so no group is ever split across micro-batches.
+    """
+    if whole_groups:
+        ids = torch.unique(rollout.group_ids)  # [B]
+        units = [
+            (rollout.group_ids == g).nonzero().squeeze(1) for g in ids[torch.randperm(len(ids))]
+        ]
+    else:
+        units = list(torch.randperm(len(rollout)).unsqueeze(1))  # one sample per unit
+    for part in chunks(units, min(minibatches, len(units))):
+        mb = torch.cat(part)
+        size = micro_size or len(mb)
+        micro, current = [], []
+        for unit in part:  # fill micro-batches with whole units up to `size` samples
+            if current and sum(len(u) for u in current) + len(unit) > size:
+                micro.append(torch.cat(current))
+                current = []
+            current.append(unit)
+        micro.append(torch.cat(current))
+        yield mb, micro
+
+
+def chunks(items: list, k: int) -> list[list]:
+    """k contiguous near-equal chunks (the first ones one longer), like torch.tensor_split."""
+    n, out, start = len(items), [], 0
+    for i in range(k):
+        end = start + n // k + (1 if i < n % k else 0)
+        out.append(items[start:end])
+        start = end
+    return out

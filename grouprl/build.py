@@ -1,0 +1,102 @@
+"""Builders: config sections -> the objects the training loop uses (policy, rewards, sampler ...)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from grouprl.config import Config
+from grouprl.data import PromptSampler
+from grouprl.envs.rewards import build_reward, overlong_reward
+from grouprl.policies.causal_lm import CausalLMPolicy
+from grouprl.rollouts.curriculum import DumpSampler
+from grouprl.rollouts.engines.base import SamplingParams
+
+
+def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
+    """Reward functions and weights: the config's list, else the task's defaults (+ DAPO overlong)."""
+    if cfg.rewards:
+        fns, weights = {}, {}
+        for r in cfg.rewards:
+            key = r.name.rsplit(":", 1)[-1] if ":" in r.name else r.name
+            if key in fns:
+                raise ValueError(f"reward {key!r} is listed twice in `rewards`")
+            # a task reward named without options is the task's own (e.g. math accuracy uses
+            # math-verify, countdown accuracy the equation checker), not the generic built-in
+            reuse = r.name in task.reward_fns and not r.options
+            fns[key] = task.reward_fns[r.name] if reuse else build_reward(r.name, **r.options)
+            weights[key] = r.weight
+    else:
+        fns = dict(task.reward_fns)
+        weights = {k: task.default_reward_weights.get(k, 1.0) for k in fns}
+    if cfg.algorithm.overlong_shaping == "soft" and "overlong" not in fns:
+        a = cfg.algorithm
+        fns["overlong"] = overlong_reward(
+            buffer_frac=a.overlong_buffer_frac, factor=a.overlong_factor
+        )
+        weights["overlong"] = 1.0
+    return fns, weights
+
+
+def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
+    m = cfg.model
+    policy = CausalLMPolicy.from_pretrained(
+        m.name_or_path,
+        dtype=m.dtype,
+        trust_remote_code=m.trust_remote_code,
+        lora=m.lora.model_dump() if m.lora else None,
+        gradient_checkpointing=m.gradient_checkpointing,
+        logprob_chunk_size=m.logprob_chunk_size,
+        # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
+        need_reference=cfg.algorithm.kl_coef > 0,
+    )
+    return policy.to(device)
+
+
+def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:
+    """Uniform seeded sampling, or the DUMP curriculum over the examples' data sources."""
+    c = cfg.curriculum
+    if c.type == "dump":
+        return DumpSampler(
+            examples, source_column=c.source_column, window=c.window, c=c.c,
+            temperature=c.temperature, seed=cfg.run.seed,
+        )  # fmt: skip
+    return PromptSampler(examples, cfg.run.seed)
+
+
+def build_optimizer(cfg: Config, policy) -> tuple[torch.optim.Optimizer, Any]:
+    t = cfg.train
+    opt = torch.optim.AdamW(
+        policy.trainable_parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+    )
+    warmup = t.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / (warmup + 1)))
+    return opt, sched
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=list(r.stop),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def device_for(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device='cuda' but no CUDA device is available")
+    return torch.device(name)

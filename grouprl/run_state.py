@@ -1,0 +1,55 @@
+"""The run directory's state: claiming it, saving checkpoints, resuming from them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from grouprl.checkpoint import CheckpointManager, restore_rng
+from grouprl.config import Config
+
+
+def claim_run_dir(cfg: Config) -> None:
+    """Refuse to mix two runs in one directory unless resuming or explicitly overwriting."""
+    run_dir = cfg.run_dir
+    if cfg.run.resume or not (run_dir / "metrics.jsonl").exists():
+        return
+    if not cfg.run.overwrite:
+        raise ValueError(
+            f"run directory {str(run_dir)!r} already holds a run; set run.resume=true to continue "
+            "it, run.overwrite=true to start afresh, or choose another run.name"
+        )
+    for name in ("metrics.jsonl", "samples.jsonl", "samples.md", "curves.png"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before) -> None:
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        "eval_before": before,
+        # LoRA adapters are small and not recoverable from the merged save: keep them here too
+        "adapter": policy.state_dict() if policy.lora is not None else None,
+    }
+    ckpts.save(
+        step,
+        save_model=policy.save_pretrained,
+        state=state,
+        check_finite=policy.trainable_parameters(),
+    )
+
+
+def resume_from(path: Path, policy, optimizer, scheduler, sampler) -> tuple[int, dict | None]:
+    state = CheckpointManager.load(path)
+    if state.get("adapter") is not None:
+        policy.load_state_dict(state["adapter"])
+    else:
+        policy.load_saved_weights(path / "model")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    restore_rng(state)
+    return int(state["step"]), state.get("eval_before")
