@@ -1,0 +1,365 @@
+"""Multi-turn rollouts: G episodes per environment seed, token-in / token-out, one Rollout.
+
+The trajectory layout follows the "whole trajectory as one chat sequence" design of RAGEN /
+StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step records:
+`step_rewards`, `step_ids` and the anchor state of every step. Deviations and choices:
+
+- Token-in / token-out: the ids trained on are exactly the ids the engine sampled; assistant text
+  is decoded only to hand it to the env. Observations are appended as the chat template's delta
+  against a fixed dummy conversation (SkyRL's approach), tokenised on their own, and masked out.
+- The sampled EOS is the assistant's closing marker when the template closes turns with the EOS
+  text (Qwen's <|im_end|>); otherwise (stop string, per-turn budget hit) the full closing text is
+  appended as env tokens.
+- Context budget: a turn is only started when its worst case (context + max_turn_tokens) fits in
+  max_total_tokens; an episode that cannot fit another turn ends cleanly as truncated. No
+  observation is appended after the last turn (those tokens would be masked and never attended).
+- Invalid actions (info["valid_action"] False) subtract `invalid_penalty` from that step's reward,
+  as verl-agent's invalid-action penalty does (its default 0.1).
+- TokenBatch.truncated means the *episode* was truncated (turn limit, context, env truncation).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.types import Rollout, TokenBatch
+
+_SENTINEL = "\x00OBSERVATION\x00"  # stands for the observation inside the dummy conversation
+_DUMMY_USER, _DUMMY_ASSISTANT = "dummy question", "dummy answer"
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, pieces)
+
+
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
+
+
+def _delta_pieces(tokenizer: Any) -> tuple[str, str]:
+    """(head, tail) such that the delta after an assistant's content is head + observation + tail.
+
+    head holds the assistant's closing text and the user turn's opening; tail closes the user turn
+    and opens the next assistant turn. Cached per tokenizer (rebuilt if its template changes).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("multi-turn rollouts need a tokenizer with a chat template; it has none")
+    cached = _PIECES.get(tokenizer)
+    if cached is not None and cached[0] == template:
+        return cached[1]
+    user = {"role": "user", "content": _DUMMY_USER}
+    base = [user, {"role": "assistant", "content": _DUMMY_ASSISTANT}]
+    prefix = _render(tokenizer, [user], True) + _DUMMY_ASSISTANT
+
+    def delta(obs: str) -> str:
+        full = _render(tokenizer, [*base, {"role": "user", "content": obs}], True)
+        if not full.startswith(prefix):
+            raise ValueError(
+                "the chat template is not append-only: rendering [user, assistant, user] does not "
+                "start with rendering [user] + generation prompt + the assistant's content, so "
+                "observation tokens cannot be appended as a delta"
+            )
+        return full[len(prefix) :]
+
+    parts = delta(_SENTINEL).split(_SENTINEL)
+    probe = "probe 1\n  probe 2 "
+    if len(parts) != 2 or delta(probe) != parts[0] + probe + parts[1]:
+        raise ValueError(
+            "the chat template does not insert a user message's content verbatim exactly once; "
+            "multi-turn rollouts cannot build observation deltas for it"
+        )
+    _PIECES[tokenizer] = (template, (parts[0], parts[1]))
+    return parts[0], parts[1]
+
+
+def observation_delta_text(tokenizer: Any, observation: str, ended_with_eos: bool) -> str:
+    """The text the chat template renders after an assistant turn's content up to the next
+    assistant turn's generation prompt, with `observation` as the user message in between.
+
+    ended_with_eos: the sampled turn already ends with the EOS token; if the template's closing
+    text starts with the EOS text, that part is dropped (the sampled EOS already is the marker).
+    """
+    head, tail = _delta_pieces(tokenizer)
+    eos = tokenizer.eos_token
+    if ended_with_eos and eos and head.startswith(eos):
+        head = head[len(eos) :]
+    return head + observation + tail
+
+
+def observation_delta_ids(tokenizer: Any, observation: str, ended_with_eos: bool) -> list[int]:
+    """Token ids of `observation_delta_text` (tokenised alone, no special tokens added)."""
+    text = observation_delta_text(tokenizer, observation, ended_with_eos)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def first_messages(tokenizer: Any, system_prompt: str, observation: str) -> list[dict]:
+    """The initial chat: a system message if the template renders one, else the system prompt
+    prepended to the first observation (blank line between); no system message if it is empty."""
+    user = {"role": "user", "content": observation}
+    if not system_prompt:
+        return [user]
+    messages = [{"role": "system", "content": system_prompt}, user]
+    try:
+        supported = system_prompt in _render(tokenizer, messages, True)
+    except Exception:  # templates without a system role raise (e.g. jinja raise_exception)
+        supported = False
+    if supported:
+        return messages
+    return [{"role": "user", "content": f"{system_prompt}\n\n{observation}"}]
+
+
+def _env_attr(env: Any, name: str, default: Any) -> Any:
+    """An attribute of the env or of the env under gymnasium wrappers (which do not forward)."""
+    if hasattr(env, name):
+        return getattr(env, name)
+    getter = getattr(env, "get_wrapper_attr", None)
+    if getter is not None:
+        try:
+            return getter(name)
+        except AttributeError:
+            pass
+    return default
+
+
+def _anchor(info: dict, observation: str) -> Hashable:
+    if not isinstance(observation, str):
+        raise TypeError(
+            f"a text env must return str observations, got {type(observation).__name__}; "
+            "wrap the env so that it renders its observations as text"
+        )
+    key = info.get("anchor", observation)
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f'info["anchor"] must be hashable (GiGPO groups steps by it), got {type(key).__name__}'
+        ) from None
+    return key
+
+
+def _fence(text: str) -> str:
+    """`text` in a markdown code block whose fence is longer than any backtick run inside it."""
+    run, longest = 0, 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+@dataclass
+class _Episode:
+    """One episode's growing record (completion = every token after the initial prompt)."""
+
+    env: Any
+    group: int
+    seed: int
+    messages: list[dict]
+    prompt: list[int]
+    anchor: Hashable  # of the state the next action is taken in
+    ids: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    anchors: list[Hashable] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    invalid: int = 0
+    cut_turns: int = 0
+    success: bool = False
+    end: str = ""  # "terminated" | "env_truncated" | "max_turns" | "context"
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.ids)
+
+    def extend(self, ids: list[int], logp: list[float] | None, step: int) -> None:
+        self.ids += ids
+        self.sampled += [logp is not None] * len(ids)
+        self.logp += logp if logp is not None else [0.0] * len(ids)
+        self.step += [step] * len(ids)
+
+
+def collect_episodes(
+    policy: Any,
+    make_env: Callable[[], Any],
+    seeds: list[int],
+    group_size: int,
+    params: SamplingParams,
+    *,
+    max_turns: int,
+    max_turn_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    invalid_penalty: float = 0.1,
+    first_group_id: int = 0,
+    greedy: bool = False,
+) -> Rollout:
+    """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
+    batched generation over all live episodes each turn; returns the Rollout described in the
+    module docstring (rewards["return"] = sum of step rewards incl. invalid penalties)."""
+    turn_budget = max_turn_tokens if max_turn_tokens is not None else params.max_new_tokens
+    if not seeds or group_size < 1 or max_turns < 1 or turn_budget < 1:
+        raise ValueError(
+            f"need >= 1 seed, group_size >= 1, max_turns >= 1 and max_turn_tokens >= 1, got "
+            f"{len(seeds)} seeds, {group_size}, {max_turns}, {turn_budget}"
+        )
+    if not (math.isfinite(invalid_penalty) and invalid_penalty >= 0):
+        raise ValueError(f"invalid_penalty must be finite and >= 0, got {invalid_penalty}")
+    tok, turn_params = policy.tokenizer, replace(params, max_new_tokens=turn_budget)
+    limit = max_total_tokens if max_total_tokens is not None else math.inf
+    episodes: list[_Episode] = []
+    try:
+        for g, seed in enumerate(seeds):
+            _start_group(policy, make_env, seed, first_group_id + g, group_size, episodes)
+        for e in episodes:
+            if len(e) + turn_budget > limit:
+                raise ValueError(
+                    f"the first prompt (seed {e.seed}) has {len(e.prompt)} tokens, leaving no room "
+                    f"for one turn of {turn_budget} tokens within max_total_tokens={limit}"
+                )
+        for turn in range(max_turns):
+            live = [e for e in episodes if not e.end]
+            if not live:
+                break
+            out = policy.engine.generate(
+                [e.prompt + e.ids for e in live], turn_params, greedy=greedy
+            )
+            for e, ids, lps, cut in zip(live, out.completion_ids, out.logprobs, out.truncated):
+                if not ids:
+                    raise RuntimeError(f"the engine returned an empty turn (seed {e.seed})")
+                _play_turn(e, tok, turn, ids, lps, cut, invalid_penalty)
+                if e.end:
+                    continue
+                if turn + 1 == max_turns:
+                    e.end = "max_turns"
+                    continue
+                obs = e.messages[-1]["content"]
+                delta = observation_delta_ids(tok, obs, ids[-1] == tok.eos_token_id)
+                if len(e) + len(delta) + turn_budget > limit:
+                    e.end = "context"
+                else:
+                    e.extend(delta, None, -1)
+    finally:
+        for e in episodes:  # a plain class env may have no close()
+            getattr(e.env, "close", lambda: None)()
+    return _assemble(episodes, tok, max_turns)
+
+
+def _start_group(
+    policy: Any,
+    make_env: Callable[[], Any],
+    seed: int,
+    group: int,
+    group_size: int,
+    episodes: list[_Episode],
+) -> None:
+    """Reset `group_size` fresh envs with `seed` and append their episodes to `episodes` (so the
+    caller closes every env made, even on failure); fail if they do not share one start state."""
+    members: list[_Episode] = []
+    for _ in range(group_size):
+        env = make_env()
+        e = _Episode(env, group, seed, [], [], None)
+        episodes.append(e)
+        obs, info = env.reset(seed=seed)
+        e.anchor = _anchor(info, obs)
+        e.messages = first_messages(policy.tokenizer, _env_attr(env, "system_prompt", ""), obs)
+        members.append(e)
+        if (e.messages, e.anchor) != (members[0].messages, members[0].anchor):
+            raise ValueError(
+                f"envs reset with seed {seed} start in different states; group-relative "
+                "advantages need every episode of a group to share its start"
+            )
+        e.log.append(f"### Episode (group {group}, seed {seed})\n")
+        e.log += [f"**{m['role']}**\n\n{_fence(m['content'])}\n" for m in e.messages]
+    prompt = policy.encode_prompts([members[0].messages])[0]
+    for e in members:
+        e.prompt = list(prompt)
+
+
+def _play_turn(
+    e: _Episode,
+    tok: Any,
+    turn: int,
+    ids: list[int],
+    lps: list[float],
+    cut: bool,
+    invalid_penalty: float,
+) -> None:
+    """Record one sampled turn, step the env with its text, record reward, anchor and ending."""
+    e.extend(list(ids), list(lps), turn)
+    text = tok.decode(ids, skip_special_tokens=True)
+    obs, reward, terminated, truncated, info = e.env.step(text)
+    reward = float(reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"env returned a non-finite reward {reward} (seed {e.seed}, turn {turn})")
+    valid = bool(info.get("valid_action", True))
+    if not valid:
+        reward -= invalid_penalty
+        e.invalid += 1
+    e.cut_turns += int(cut)
+    e.rewards.append(reward)
+    e.anchors.append(e.anchor)
+    e.anchor = _anchor(info, obs)
+    e.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": obs}]
+    note = ", invalid action" if not valid else ""
+    note += ", hit the turn token budget" if cut else ""
+    e.log.append(f"**assistant** (turn {turn}: reward {reward:+.3f}{note})\n\n{_fence(text)}\n")
+    e.log.append(f"**user** (observation)\n\n{_fence(obs)}\n")
+    if terminated or truncated:
+        e.end = "terminated" if terminated else "env_truncated"
+        e.success = bool(info.get("success", False))
+
+
+def _pad(rows: list[torch.Tensor], value: float, side: str) -> torch.Tensor:
+    return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
+
+
+def _assemble(episodes: list[_Episode], tok: Any, max_turns: int) -> Rollout:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    p_ids = _pad([torch.tensor(e.prompt) for e in episodes], pad, "left")  # [N, P]
+    p_mask = _pad([torch.ones(len(e.prompt), dtype=torch.bool) for e in episodes], 0, "left")
+    c_ids = _pad([torch.tensor(e.ids) for e in episodes], pad, "right")  # [N, T]
+    c_mask = _pad([torch.ones(len(e.ids), dtype=torch.bool) for e in episodes], 0, "right")
+    mask = _pad([torch.tensor(e.sampled) for e in episodes], 0, "right")  # [N, T] assistant only
+    logp = _pad([torch.tensor(e.logp, dtype=torch.float32) for e in episodes], 0.0, "right")
+    step_ids = _pad([torch.tensor(e.step) for e in episodes], -1, "right")  # [N, T]
+    step_rewards = torch.full((len(episodes), max_turns), math.nan)  # [N, max_turns]
+    for i, e in enumerate(episodes):
+        step_rewards[i, : len(e.rewards)] = torch.tensor(e.rewards)
+    truncated = torch.tensor([e.end != "terminated" for e in episodes])  # [N]
+    returns = torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float32)  # [N]
+    for e, r in zip(episodes, returns.tolist()):
+        e.log.append(
+            f"**end**: {e.end}, success {e.success}, return {r:+.3f}, turns {len(e.rewards)}, "
+            f"invalid actions {e.invalid}\n"
+        )
+    return Rollout(
+        group_ids=torch.tensor([e.group for e in episodes]),  # [N]
+        rewards={"return": returns},
+        actions=TokenBatch(p_ids, p_mask, c_ids, c_mask, truncated),
+        old_logp=logp.clone(),  # [N, T]
+        mask=mask,  # [N, T]
+        engine_logp=logp,  # [N, T]; 0 on env tokens
+        step_ids=step_ids,  # [N, T]; -1 on env tokens and padding
+        step_rewards=step_rewards,  # [N, max_turns]; NaN after the episode ended
+        anchor_keys=[e.anchors for e in episodes],
+        info={
+            "transcript": ["\n".join(e.log) for e in episodes],
+            "success": [e.success for e in episodes],
+            "turns": [len(e.rewards) for e in episodes],
+            "invalid_actions": [e.invalid for e in episodes],
+            "cut_turns": [e.cut_turns for e in episodes],
+            "end_reason": [e.end for e in episodes],
+            "seed": [e.seed for e in episodes],
+            "messages": [e.messages for e in episodes],
+            "prompt": [e.messages[: len(e.messages) - 2 * len(e.rewards)] for e in episodes],
+            "completion": tok.batch_decode([e.ids for e in episodes], skip_special_tokens=True),
+        },
+    )
