@@ -202,8 +202,16 @@ def collect_episodes(
     greedy: bool = False,
 ) -> Rollout:
     """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
-    batched generation over all live episodes each turn; returns the Rollout described in the
-    module docstring (rewards["return"] = sum of step rewards incl. invalid penalties)."""
+    batched generation over all live episodes each turn.
+
+    Returns a Rollout: actions = TokenBatch (prompt = system + first observation with the
+    generation prompt; completion = assistant turns and observation deltas), mask / step_ids
+    (turn index, -1 on env tokens) / engine_logp (0 on env tokens) [N, T], step_rewards
+    [N, max_turns] (NaN after the end), anchor_keys[i][turn], rewards["return"] (sum of step
+    rewards incl. penalties) and info lists: transcript (markdown), success, turns,
+    invalid_actions, cut_turns (turns that hit max_turn_tokens), end_reason, seed, messages (the
+    chat, ending with the last observation, which is not in the tokens), prompt, completion.
+    """
     turn_budget = max_turn_tokens if max_turn_tokens is not None else params.max_new_tokens
     if not seeds or group_size < 1 or max_turns < 1 or turn_budget < 1:
         raise ValueError(
