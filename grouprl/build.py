@@ -18,6 +18,10 @@ from grouprl.rollouts.engines.base import SamplingParams
 
 def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
     """Reward functions and weights: the config's list, else the task's defaults (+ DAPO overlong)."""
+    if cfg.task.name == "env":  # multi-turn: the environment's episode return is the reward
+        if cfg.rewards:
+            raise ValueError("task 'env' takes its rewards from the environment; remove `rewards`")
+        return {}, {"return": 1.0}
     if cfg.rewards:
         fns, weights = {}, {}
         for r in cfg.rewards:

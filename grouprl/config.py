@@ -182,6 +182,31 @@ class CurriculumConfig(_Section):
     temperature: float = Field(0.1, gt=0, description="DUMP: softmax temperature over sources.")
 
 
+class AgentConfig(_Section):
+    """Multi-turn episodes (task.name = env): limits and credit assignment."""
+
+    max_turns: int = Field(8, ge=1, description="Assistant turns per episode at most.")
+    max_turn_tokens: int = Field(32, ge=1, description="Tokens per assistant turn at most.")
+    max_total_tokens: int = Field(
+        1024, ge=1, description="Context budget (prompt + all turns); overflow ends the episode."
+    )
+    invalid_penalty: float = Field(0.1, ge=0, description="Subtracted for an unparsable action.")
+    credit: Literal["trajectory", "turn", "gigpo"] = Field(
+        "trajectory",
+        description="trajectory: episode return for every turn; turn: discounted per-turn "
+        "returns; gigpo: episode + step advantages from anchor states (arXiv 2505.10978).",
+    )
+    gamma: float = Field(0.95, ge=0, le=1, description="Discount for turn / step returns.")
+    omega: float = Field(1.0, ge=0, description="GiGPO weight of the step advantage.")
+    norm: Literal["mean_std_norm", "mean_norm"] = Field(
+        "mean_std_norm", description="GiGPO/turn normalisation: divide by the std or not."
+    )
+    adv_eps: float = Field(1e-6, ge=0, description="Added to the std in episode/step advantages.")
+    keep_top_groups: float = Field(
+        1.0, gt=0, le=1, description="StarPO-S: train only this fraction of groups, by reward std."
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1, description="Optimizer steps (one rollout batch each).")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
@@ -214,6 +239,7 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -31,7 +31,8 @@ from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
-from grouprl.rollouts.curriculum import DumpSampler
+from grouprl.rollouts import episodes
+from grouprl.rollouts.curriculum import DumpSampler, response_advantages
 from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
@@ -56,6 +57,10 @@ def rollout_step(
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
+        if is_agent(cfg):  # multi-turn episodes: the environment gives the rewards
+            return episodes.collect(
+                cfg, policy, examples, params, group_size=r.group_size, first_group_id=first_id
+            )
         rollout, errors = collect(
             policy, examples, r.group_size, params, reward_fns,
             first_group_id=first_id, fail_fast=cfg.run.fail_fast,
@@ -72,7 +77,19 @@ def rollout_step(
     else:
         rollout = one_round(0)
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
+    if rollout is not None and is_agent(cfg):
+        metrics.update(episodes.episode_metrics(rollout))
+        rollout = episodes.keep_informative(cfg, rollout)
     return rollout, metrics
+
+
+def is_agent(cfg: Config) -> bool:
+    return cfg.task.name == "env"
+
+
+def max_completion_len(cfg: Config) -> int:
+    """L_max of the constant normalisers: one completion, or a whole multi-turn episode."""
+    return cfg.agent.max_total_tokens if is_agent(cfg) else cfg.rollout.max_new_tokens
 
 
 def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[str, float]:
@@ -90,7 +107,7 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
                                         whole_groups=a.surrogate in _GROUP_SURROGATES):  # fmt: skip
             counts = count_tokens(
                 rollout.mask[mb],
-                max_len=cfg.rollout.max_new_tokens,
+                max_len=max_completion_len(cfg),
                 group_ids=rollout.group_ids[mb],
             )  # global counts of this optimizer update: tokens, sequences, groups
             optimizer.zero_grad(set_to_none=True)
@@ -192,10 +209,13 @@ def train(cfg: Config) -> dict[str, Any]:
         if not eval_examples:
             return {}
         policy.eval()
-        m, rows = evaluate(
-            policy, eval_examples, reward_fns, params,
-            batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
-        )  # fmt: skip
+        if is_agent(cfg):
+            m, rows = episodes.evaluate(cfg, policy, eval_examples, params)
+        else:
+            m, rows = evaluate(
+                policy, eval_examples, reward_fns, params,
+                batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
+            )  # fmt: skip
         logger.log(at_step, {f"eval/{k}": v for k, v in m.items()}, split="eval")
         logger.log_samples(at_step, [{"step": at_step, **row} for row in rows])
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
@@ -212,7 +232,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
                     sources = [ex[column] for ex in rollout.info["example"]]
-                    sampler.update(sources, rollout.advantages.tolist())
+                    sampler.update(sources, response_advantages(rollout.advantages, rollout.mask))
                     metrics.update(sampler.metrics())
                 metrics.update(update(cfg, policy, optimizer, scheduler, rollout))
             else:
@@ -226,4 +246,4 @@ def train(cfg: Config) -> dict[str, Any]:
         save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before)
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
-            "accuracy_key": accuracy_key(reward_fns)}  # fmt: skip
+            "accuracy_key": "success" if is_agent(cfg) else accuracy_key(reward_fns)}  # fmt: skip

@@ -9,7 +9,7 @@ from grouprl.objectives.presets import PRESETS, Preset, preset_settings
 
 EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
-    "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo",
+    "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo", "gigpo",
 ]  # fmt: skip
 MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
 

@@ -296,6 +296,22 @@ PRESETS: dict[str, Preset] = {
             "Plain GRPO with groups of two (a DPO-like contrastive pair per prompt).",
             {**_GRPO_CORE, "rollout.group_size": 2},
         ),
+        Preset(
+            "gigpo",
+            "2505.10978",
+            "Multi-turn agents: episode advantage plus step advantage from identical anchor states.",
+            {
+                **_GRPO_CORE,
+                "kl_coef": 0.01,
+                "kl_estimator": "k3",
+                "kl_mode": "loss",
+                "agent.credit": "gigpo",
+                "agent.gamma": 0.95,
+                "agent.omega": 1.0,
+                "agent.norm": "mean_std_norm",
+                "agent.invalid_penalty": 0.1,
+            },
+        ),
     ]
 }
 

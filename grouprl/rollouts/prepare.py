@@ -45,11 +45,17 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
             weights = {**weights, "kl_penalty": 1.0}
     lengths = batch.lengths.float()  # [N]
-    rollout.advantages = compute_advantages(
-        a.advantage, rollout.rewards, rollout.group_ids,
-        weights={k: weights[k] for k in rollout.rewards},
-        reward_aggregation=a.reward_aggregation, lengths=lengths, scale=a.scale, eps=a.adv_eps,
-    )  # fmt: skip  # [N]
+    if rollout.step_ids is not None:  # multi-turn episodes: per-turn credit, [N, T]
+        from grouprl.rollouts.episodes import advantages as episode_advantages
+
+        rollout.advantages = episode_advantages(cfg, rollout)  # [N, T]
+    else:
+        rollout.advantages = compute_advantages(
+            a.advantage, rollout.rewards, rollout.group_ids,
+            weights={k: weights[k] for k in rollout.rewards},
+            reward_aggregation=a.reward_aggregation, lengths=lengths, scale=a.scale,
+            eps=a.adv_eps,
+        )  # fmt: skip  # [N]
     rollout.token_scales = _token_scales(a, rollout, current_policy)  # [N, T] or None
     if a.aggregation == "delta_l":
         rollout.seq_weights = delta_l_weights(lengths, a.delta_l_alpha)  # [N]

@@ -1,4 +1,4 @@
-"""Single-turn tasks: a registry of factories, `build_task(name, **options) -> TaskData`.
+"""Tasks (single-turn datasets, and `env` for multi-turn episodes): a registry of factories, `build_task(name, **options) -> TaskData`.
 
 A task is examples (dicts with "prompt" and the task's columns) plus reward functions. Options come
 from the config's `task:` section; each factory's docstring lists them. A new task is a factory
@@ -14,12 +14,14 @@ from grouprl.envs.rewards.loading import call_with_options
 from grouprl.envs.tasks.arithmetic import build_arithmetic
 from grouprl.envs.tasks.base import RewardFn, TaskData
 from grouprl.envs.tasks.countdown import build_countdown
+from grouprl.envs.tasks.env_seeds import build_env_task
 from grouprl.envs.tasks.math import build_math
 
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": build_arithmetic,
     "countdown": build_countdown,
     "math": build_math,
+    "env": build_env_task,
 }
 
 

@@ -1,0 +1,97 @@
+"""The `env` task's side of the loop: collect scored episodes, give them advantages, evaluate.
+
+Glue between the config and rollouts/multi_turn.py (which runs the episodes token-in/token-out),
+objectives/gigpo.py (per-turn credit) and the text environments of envs/gym.py.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from grouprl.envs.gym import make_text_env
+from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
+from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.types import Rollout
+
+
+def _make_env(example: dict):
+    return partial(make_text_env, example["env_id"], **example.get("env_kwargs", {}))
+
+
+def collect(
+    cfg: Any,
+    policy: Any,
+    examples: list[dict],
+    params: SamplingParams,
+    *,
+    group_size: int,
+    first_group_id: int = 0,
+    greedy: bool = False,
+) -> Rollout:
+    """group_size episodes per example (an env seed), all examples of one env id."""
+    ag = cfg.agent
+    env_ids = {(ex["env_id"], repr(ex.get("env_kwargs"))) for ex in examples}
+    if len(env_ids) != 1:
+        raise ValueError(f"one batch must use one environment, got {sorted(env_ids)}")
+    return collect_episodes(
+        policy, _make_env(examples[0]), [ex["seed"] for ex in examples], group_size, params,
+        max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
+        max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
+        first_group_id=first_group_id, greedy=greedy,
+    )  # fmt: skip
+
+
+def keep_informative(cfg: Any, rollout: Rollout) -> Rollout:
+    """StarPO-S: keep the top `agent.keep_top_groups` fraction of groups by return std."""
+    if cfg.agent.keep_top_groups >= 1.0:
+        return rollout
+    keep = keep_top_groups_by_std(
+        rollout.rewards["return"], rollout.group_ids, cfg.agent.keep_top_groups
+    )  # [N]
+    return rollout.select(keep.nonzero().squeeze(1))
+
+
+def advantages(cfg: Any, rollout: Rollout) -> torch.Tensor:
+    """Per-token advantages [N, T] from the configured credit assignment."""
+    ag = cfg.agent
+    return agent_advantages(
+        ag.credit, rollout.rewards["return"], rollout.step_rewards, rollout.step_ids,
+        rollout.anchor_keys, rollout.group_ids,
+        gamma=ag.gamma, omega=ag.omega, norm=ag.norm, eps=ag.adv_eps,
+    )  # fmt: skip
+
+
+def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, float]:
+    info = rollout.info
+    n = max(len(rollout), 1)
+    return {
+        f"{prefix}/success": sum(map(bool, info["success"])) / n,
+        f"{prefix}/return": float(rollout.rewards["return"].mean()),
+        f"{prefix}/turns": sum(info["turns"]) / n,
+        f"{prefix}/invalid_actions": sum(info["invalid_actions"]) / n,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    cfg: Any, policy: Any, examples: list[dict], params: SamplingParams, *, n_samples: int = 3
+) -> tuple[dict[str, float], list[dict]]:
+    """Greedy episodes from the held-out seeds: success rate, mean return, turns, invalid actions;
+    rows = the first `n_samples` transcripts for samples.md."""
+    rollout = collect(cfg, policy, examples, params, group_size=1, greedy=True)
+    m = episode_metrics(rollout, prefix="x")
+    metrics = {
+        "accuracy": m["x/success"],  # "accuracy" = success rate: the number the curves show
+        "return": m["x/return"],
+        "turns": m["x/turns"],
+        "invalid_actions": m["x/invalid_actions"],
+    }
+    rows = [
+        {"seed": ex["seed"], "transcript": t, "success": float(s)}
+        for ex, t, s in zip(examples, rollout.info["transcript"], rollout.info["success"])
+    ][:n_samples]
+    return metrics, rows
