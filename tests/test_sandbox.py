@@ -78,6 +78,17 @@ def test_private_directory_is_the_cwd_writable_and_deleted(mode, work_dirs):
     assert r.ok and r.stdout.strip() == work_dirs[-1]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_numpy_works_inside(mode, work_dirs):
+    pytest.importorskip("numpy")
+    r = run_python("import numpy as np; print(int(np.arange(10).sum()))", isolation=mode)
+    assert r.ok and r.stdout == "45\n", r.stderr
+
+
+def test_auto_picks_the_strongest_mode_that_works():
+    assert run_python("print(1)").isolation == MODES[0]
+
+
 def test_bad_arguments_fail_loudly():
     with pytest.raises(ValueError, match="timeout_s"):
         run_python("pass", timeout_s=0)

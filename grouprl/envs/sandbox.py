@@ -1,32 +1,33 @@
 """Run untrusted Python (model-written code, tool calls) in a contained child process.
 
-Entry point: `run_python(code, *, timeout_s, memory_mb, stdin) -> SandboxResult`. Each call gets a
-fresh interpreter (`python -I`: no PYTHON* variables, no user site, no script dir on sys.path) in
-its own session / process group, a private temporary working directory (deleted afterwards), a
-minimal environment (nothing inherited: no secrets, no PATH), stdout and stderr read incrementally
-and capped, and a wall-clock timeout that SIGKILLs the whole process group. Layers, by isolation mode:
+`run_python(code, *, timeout_s, memory_mb, stdin) -> SandboxResult`. Every call: a fresh
+`python -I` (no PYTHON* variables, no user site, no script dir on sys.path) in its own session and
+process group; a private temporary working directory, deleted afterwards; an environment of a few
+fixed variables (nothing inherited: no secrets, no PATH); stdout and stderr read as they come and
+capped; a wall-clock timeout that SIGKILLs the whole group; rlimits (RLIMIT_AS = memory_mb,
+RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC, no core files). OS isolation, by mode:
 
-- "namespaces" (root only; auto's first choice): new network namespace (no interface is up, so no
-  network at all), new mount namespace in which every mount is remounted read-only except the
-  private directory, a fresh /proc of a new PID namespace (the parent is invisible, and every process
-  left behind dies with the namespace's init), a pids cgroup (v1, /sys/fs/cgroup/pids) capping the
-  number of tasks (RLIMIT_NPROC does not bind root), then every capability dropped (+ no_new_privs)
-  before the user code starts, so it cannot undo any of this.
-- "bwrap" (bubblewrap installed; for non-root users): read-only bind of /, a writable private
-  directory, --unshare-net, --unshare-pid, --die-with-parent.
-- "hooks" (fallback, e.g. non-root without bubblewrap): resource limits + the audit hooks only. Writes
-  outside the private directory are then possible wherever the OS lets this user write and the hooks
-  are bypassed; the network is reachable if the hooks are bypassed. `auto` warns when it lands here.
-In every mode the child sets rlimits (RLIMIT_AS = memory_mb, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE,
-RLIMIT_NPROC, no core files) and installs audit hooks (PEP 578) before the user code runs. They raise
-PermissionError on: process creation (fork, exec, spawn, subprocess, _posixsubprocess), signals to
-other processes (os.kill / killpg), sockets, ctypes, rlimit changes, writes or file-system changes
-outside the private directory, and reads of other processes' /proc entries. Audit hooks alone are
-not a security boundary (CPython says so), hence the OS layers where the machine allows them.
+- "namespaces" (root; what "auto" picks first): a new network namespace (no interface up: no
+  network), a mount namespace where every mount is remounted read-only except the private
+  directory, a new PID namespace with its own /proc (the parent is invisible; whatever the code
+  leaves running dies with the namespace's init), a pids cgroup where /sys/fs/cgroup/pids is
+  writable (RLIMIT_NPROC does not bind root), then all capabilities dropped and no_new_privs, so
+  the code cannot undo any of it.
+- "bwrap" (bubblewrap installed, e.g. non-root): read-only bind of /, a writable private directory,
+  --unshare-net, --unshare-pid, --die-with-parent. (Not exercised on the machine this was written on.)
+- "hooks" (neither available): rlimits and audit hooks only. Code that gets past the hooks can then
+  write wherever this user may write and reach the network. "auto" warns when it lands here.
+In every mode, PEP 578 audit hooks refuse (PermissionError): process creation (fork, exec, spawn,
+subprocess, _posixsubprocess), signals to other processes, sockets, loading C libraries through
+ctypes, rlimit changes, writes and file-system changes outside the private directory, and reads of
+other processes' /proc entries or of the home directory. Audit hooks are no security boundary on
+their own (CPython says so): ctypes, which gets past them, can only be imported under "namespaces"
+and "bwrap" (sympy needs it), never under "hooks".
 
 reason: "ok" (exit 0), "error" (non-zero exit), "timeout" (wall clock or CPU limit), "memory"
 (MemoryError under RLIMIT_AS), "killed" (any other signal). A failure of the sandbox itself (not of
-the user's code) raises SandboxSetupError: it is our bug or the machine's, never a 0 reward.
+the code it runs) raises SandboxSetupError: our bug or the machine's, never a silent 0 reward.
+Linux only (namespaces, /proc, waitid). The child side is this same file run as a script.
 """
 
 from __future__ import annotations
@@ -412,13 +413,25 @@ _PATH_EVENTS = frozenset(
     | {"os.truncate", "os.utime", "shutil.rmtree", "os.mkfifo", "os.mknod", "os.setxattr"}
     | {"os.removexattr", "os.chflags", "os.lchflags"}
 )
-_NO_IMPORT = frozenset({"_posixsubprocess", "_ctypes"})
+_NO_IMPORT = frozenset({"_posixsubprocess"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def _install_hooks(work: str) -> None:
+def _install_hooks(work: str, os_boundary: bool) -> None:
     """PEP 578 audit hooks (see the module docstring). Everything the hook uses is captured here,
     immutable, so user code cannot loosen it by patching modules."""
+    import _posixsubprocess  # imported by subprocess (so by sympy ...): keep it, disarmed
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("sandbox: process creation is not allowed")
+
+    _posixsubprocess.fork_exec = refuse  # it raises no audit event; a re-import is refused below
+    if os_boundary:  # ctypes can get past audit hooks, not past the OS layers; sympy needs it
+        import ctypes  # noqa: F401  (imported now: importing it later would need ctypes.dlopen)
+    else:  # hooks alone: ctypes (and so sympy) cannot be imported at all
+        for name in [m for m in sys.modules if m.partition(".")[0] in ("ctypes", "_ctypes")]:
+            del sys.modules[name]
+    no_import = _NO_IMPORT if os_boundary else _NO_IMPORT | {"ctypes", "_ctypes"}
     realpath, fsdecode, getpid, sep = os.path.realpath, os.fsdecode, os.getpid, os.sep
     me = str(getpid())
     home = realpath(os.path.expanduser("~root" if os.getuid() == 0 else "~")) + sep
@@ -431,8 +444,8 @@ def _install_hooks(work: str) -> None:
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "os.kill" and args[0] != getpid():
             raise PermissionError("sandbox: signals to other processes are not allowed")
-        if event == "import" and args[0] in _NO_IMPORT:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+        if event == "import" and args[0].partition(".")[0] in no_import:  # ImportError: numpy
+            raise ImportError(f"sandbox: importing {args[0]} is not allowed")  # copes without
         if event == "object.__setattr__" and args[1] in ("__code__", "__closure__"):
             raise PermissionError(f"sandbox: setting {args[1]} is not allowed")
         if event == "open" and args[0] is not None and not isinstance(args[0], int):
@@ -464,7 +477,7 @@ def _child_main(cfg: dict) -> None:
             source = f.read()
         _set_limits(cfg)
         if cfg["hooks"]:
-            _install_hooks(cfg["work"])
+            _install_hooks(cfg["work"], os_boundary=cfg["mode"] != "hooks")
     except BaseException as e:
         os.write(2, f"sandbox set-up failed: {e!r}\n".encode())
         os._exit(70)

@@ -24,14 +24,14 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import gymnasium
 import numpy as np
 
 from grouprl.envs.answers import last_number, same_answer
 from grouprl.envs.gym import MAX_ACTION_CHARS, text_space
-from grouprl.envs.sandbox import SandboxResult, run_python
+from grouprl.envs.sandbox import Isolation, SandboxResult, run_python
 from grouprl.policies.agent import parse_action
 
 TOOL_SCHEMA: dict[str, Any] = {
@@ -184,7 +184,7 @@ class ToolMathEnv(gymnasium.Env):
         tool_timeout_s: float = 2.0,
         tool_memory_mb: int = 256,
         max_tool_chars: int = 512,
-        isolation: str = "auto",
+        isolation: Isolation = "auto",
         render_mode: str | None = None,
     ) -> None:
         kinds = tuple(PROBLEMS if kinds is None else kinds)
@@ -195,6 +195,8 @@ class ToolMathEnv(gymnasium.Env):
             raise ValueError(
                 f"need max_turns >= 1, max_tool_chars >= 64; got {max_turns}, {max_tool_chars}"
             )
+        if isolation not in get_args(Isolation):
+            raise ValueError(f"isolation must be one of {get_args(Isolation)}, got {isolation!r}")
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.max_turns, self.kinds, self.render_mode = max_turns, kinds, render_mode
