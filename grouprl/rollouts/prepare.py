@@ -16,6 +16,7 @@ from torch import Tensor
 from grouprl.objectives import compute_advantages, sequence_kl
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
+from grouprl.rollouts.episodes import advantages as episode_advantages
 from grouprl.rollouts.filters import combined_reward
 from grouprl.types import Rollout
 
@@ -46,8 +47,6 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             weights = {**weights, "kl_penalty": 1.0}
     lengths = batch.lengths.float()  # [N]
     if rollout.step_ids is not None:  # multi-turn episodes: per-turn credit, [N, T]
-        from grouprl.rollouts.episodes import advantages as episode_advantages
-
         rollout.advantages = episode_advantages(cfg, rollout)  # [N, T]
     else:
         rollout.advantages = compute_advantages(
