@@ -53,7 +53,6 @@ mean k3 estimate of KL(old || new) from the token log-ratios: (rho - 1) - log rh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -64,9 +63,16 @@ from grouprl.objectives.group_losses import (
     GROUP_SURROGATES,
     PMD_TAU,
     TPO_ETA,
-    check_group_options,
     pmd_surrogate,
     tpo_surrogate,
+)
+from grouprl.objectives.loss_checks import (
+    _Batch,
+    _check_option_values,
+    _check_shapes,
+    _clip_flags,
+    _masked_mean,
+    _ratio_metrics,
 )
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
@@ -74,41 +80,6 @@ from grouprl.types import LossOutput
 LOG_RATIO_CLAMP = 20.0
 SURROGATES = Registry("surrogate")
 RATIO_LEVELS = Registry("ratio level")
-_DUAL_CLIP_SURROGATES = ("clip", "clip_cov")  # the surrogates built on the PPO clip
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Everything a ratio level / surrogate needs; tensors are [n, T] (advantages broadcast)."""
-
-    logp: Tensor
-    old_logp: Tensor
-    adv: Tensor
-    mask: Tensor
-    token_weights: Tensor | None
-    surrogate: str
-    aggregation: str
-    counts: dict
-    eps_low: float
-    eps_high: float
-    dual_clip_c: float | None
-    sapo_tau_pos: float
-    sapo_tau_neg: float
-    clip_cov_ratio: float
-    clip_cov_lb: float
-    clip_cov_ub: float
-    kl_cov_ratio: float
-    kl_cov_coef: float
-    generator: torch.Generator | None
-    pmd_tau: float = PMD_TAU
-    tpo_eta: float = TPO_ETA
-    group_ids: Tensor | None = None
-    num_groups: int | float | Tensor | None = None
-    seq_weights: Tensor | None = None
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return x.masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1)  # scalar
 
 
 def _token_log_ratio(b: _Batch) -> Tensor:
@@ -123,17 +94,6 @@ def _sequence_log_ratio(b: _Batch) -> Tensor:
 
 def _exp_ratio(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [n, T]
-
-
-def _clip_flags(ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities)."""
-    low = b.mask & (b.adv < 0) & (ratio < 1 - b.eps_low)  # [n, T]
-    high = b.mask & (b.adv > 0) & (ratio > 1 + b.eps_high)  # [n, T]
-    c = b.dual_clip_c
-    dual = (
-        b.mask & (b.adv < 0) & (ratio > c) if c is not None else torch.zeros_like(b.mask)
-    )  # [n, T]
-    return low, high, dual
 
 
 def _ppo_clip(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor]:
@@ -213,13 +173,6 @@ SURROGATES.register("pmd")(pmd_surrogate)
 SURROGATES.register("tpo")(tpo_surrogate)
 
 
-def _ratio_metrics(ratio: Tensor, valid: Tensor) -> dict:
-    vals = ratio.detach()[valid]  # [K]
-    if vals.numel() == 0:
-        return {"ratio_mean": 0.0, "ratio_min": 0.0, "ratio_max": 0.0}
-    return {"ratio_mean": vals.mean(), "ratio_min": vals.min(), "ratio_max": vals.max()}
-
-
 def _tokenwise(log_ratio_fn, b: _Batch) -> tuple[Tensor, dict]:
     """token and sequence levels: per-slot surrogate, token weights, configured aggregation."""
     log_ratio = log_ratio_fn(b)  # [n, T]
@@ -281,52 +234,9 @@ def _group_level(b: _Batch) -> tuple[Tensor, dict]:
     return loss, {**zero, **_ratio_metrics(ratio, b.mask), **metrics}
 
 
-def _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights) -> None:
-    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(
-            f"logp, old_logp and mask must all be [n, T]; got {tuple(logp.shape)}, "
-            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
-        )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
-    if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(
-            f"advantages must be [n] or [n, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
-        )
-    if token_weights is not None and token_weights.shape != logp.shape:
-        raise ValueError(
-            f"token_weights must be [n, T] = {tuple(logp.shape)}, got {tuple(token_weights.shape)}"
-        )
-    if seq_weights is not None and seq_weights.shape != logp.shape[:1]:
-        raise ValueError(
-            f"seq_weights must be [n] = {tuple(logp.shape[:1])}, got {tuple(seq_weights.shape)}"
-        )
-
-
 def _check_options(b: _Batch, ratio_level: str) -> None:
     _ = SURROGATES[b.surrogate], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
-    if b.eps_low < 0 or b.eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0, got {b.eps_low}, {b.eps_high}")
-    for name, value in (("clip_cov_ratio", b.clip_cov_ratio), ("kl_cov_ratio", b.kl_cov_ratio)):
-        if not 0 < value <= 1:
-            raise ValueError(f"{name} is a fraction of the valid tokens, in (0, 1]; got {value}")
-    check_group_options(b, ratio_level)
-    if ratio_level == "geometric" and b.surrogate != "clip":
-        raise ValueError(
-            "ratio_level 'geometric' (GMPO) has its own log-space clip; use surrogate 'clip', "
-            f"not {b.surrogate!r}"
-        )
-    if b.dual_clip_c is None:
-        return
-    if not b.dual_clip_c > 1:
-        raise ValueError(
-            f"dual_clip_c must be > 1 (it bounds -A*rho for A < 0), got {b.dual_clip_c}"
-        )
-    if b.surrogate not in _DUAL_CLIP_SURROGATES or ratio_level == "geometric":
-        raise ValueError(
-            f"dual_clip_c applies to the PPO-clip surrogates {_DUAL_CLIP_SURROGATES} at token or "
-            f"sequence level, not surrogate {b.surrogate!r} with ratio_level {ratio_level!r}"
-        )
+    _check_option_values(b, ratio_level)
 
 
 def policy_loss(
