@@ -6,7 +6,8 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
 
 - Token-in / token-out: the ids trained on are exactly the ids the engine sampled; assistant text
   is decoded only to hand it to the env. Observations are appended as the chat template's delta
-  against a fixed dummy conversation (SkyRL's approach), tokenised on their own, and masked out.
+  against a fixed dummy conversation (SkyRL's approach; rollouts/chat_delta.py), tokenised on their
+  own, and masked out.
 - The sampled EOS is the assistant's closing marker when the template closes turns with the EOS
   text (Qwen's <|im_end|>); otherwise (stop string, per-turn budget hit) the full closing text is
   appended as env tokens.
@@ -21,7 +22,6 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,91 +29,15 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
+    _delta_pieces,
+    _render,
+    first_messages,
+    observation_delta_ids,
+    observation_delta_text,
+)
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.types import Rollout, TokenBatch
-
-_SENTINEL = "\x00OBSERVATION\x00"  # stands for the observation inside the dummy conversation
-_DUMMY_USER, _DUMMY_ASSISTANT = "dummy question", "dummy answer"
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, pieces)
-
-
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False
-    )
-
-
-def _delta_pieces(tokenizer: Any) -> tuple[str, str]:
-    """(head, tail) such that the delta after an assistant's content is head + observation + tail.
-
-    head holds the assistant's closing text and the user turn's opening; tail closes the user turn
-    and opens the next assistant turn. Cached per tokenizer (rebuilt if its template changes).
-    """
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise ValueError("multi-turn rollouts need a tokenizer with a chat template; it has none")
-    cached = _PIECES.get(tokenizer)
-    if cached is not None and cached[0] == template:
-        return cached[1]
-    user = {"role": "user", "content": _DUMMY_USER}
-    base = [user, {"role": "assistant", "content": _DUMMY_ASSISTANT}]
-    prefix = _render(tokenizer, [user], True) + _DUMMY_ASSISTANT
-
-    def delta(obs: str) -> str:
-        full = _render(tokenizer, [*base, {"role": "user", "content": obs}], True)
-        if not full.startswith(prefix):
-            raise ValueError(
-                "the chat template is not append-only: rendering [user, assistant, user] does not "
-                "start with rendering [user] + generation prompt + the assistant's content, so "
-                "observation tokens cannot be appended as a delta"
-            )
-        return full[len(prefix) :]
-
-    parts = delta(_SENTINEL).split(_SENTINEL)
-    probe = "probe 1\n  probe 2 "
-    if len(parts) != 2 or delta(probe) != parts[0] + probe + parts[1]:
-        raise ValueError(
-            "the chat template does not insert a user message's content verbatim exactly once; "
-            "multi-turn rollouts cannot build observation deltas for it"
-        )
-    _PIECES[tokenizer] = (template, (parts[0], parts[1]))
-    return parts[0], parts[1]
-
-
-def observation_delta_text(tokenizer: Any, observation: str, ended_with_eos: bool) -> str:
-    """The text the chat template renders after an assistant turn's content up to the next
-    assistant turn's generation prompt, with `observation` as the user message in between.
-
-    ended_with_eos: the sampled turn already ends with the EOS token; if the template's closing
-    text starts with the EOS text, that part is dropped (the sampled EOS already is the marker).
-    """
-    head, tail = _delta_pieces(tokenizer)
-    eos = tokenizer.eos_token
-    if ended_with_eos and eos and head.startswith(eos):
-        head = head[len(eos) :]
-    return head + observation + tail
-
-
-def observation_delta_ids(tokenizer: Any, observation: str, ended_with_eos: bool) -> list[int]:
-    """Token ids of `observation_delta_text` (tokenised alone, no special tokens added)."""
-    text = observation_delta_text(tokenizer, observation, ended_with_eos)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def first_messages(tokenizer: Any, system_prompt: str, observation: str) -> list[dict]:
-    """The initial chat: a system message if the template renders one, else the system prompt
-    prepended to the first observation (blank line between); no system message if it is empty."""
-    user = {"role": "user", "content": observation}
-    if not system_prompt:
-        return [user]
-    messages = [{"role": "system", "content": system_prompt}, user]
-    try:
-        supported = system_prompt in _render(tokenizer, messages, True)
-    except Exception:  # templates without a system role raise (e.g. jinja raise_exception)
-        supported = False
-    if supported:
-        return messages
-    return [{"role": "user", "content": f"{system_prompt}\n\n{observation}"}]
 
 
 def _env_attr(env: Any, name: str, default: Any) -> Any:
