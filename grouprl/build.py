@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -76,9 +77,24 @@ def build_optimizer(cfg: Config, policy) -> tuple[torch.optim.Optimizer, Any]:
     opt = torch.optim.AdamW(
         policy.trainable_parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
     )
-    warmup = t.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / (warmup + 1)))
-    return opt, sched
+    a = cfg.algorithm
+    total = t.steps * a.epochs * a.minibatches  # optimizer updates in the run
+    shape = LR_SCHEDULES[t.lr_schedule]
+
+    def factor(u: int) -> float:  # u = updates done so far
+        warm = min(1.0, (u + 1) / (t.warmup_steps + 1))
+        progress = (u - t.warmup_steps) / max(1, total - t.warmup_steps)
+        return warm * shape(min(max(progress, 0.0), 1.0))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+# lr multiplier after warm-up as a function of progress in [0, 1]
+LR_SCHEDULES = {
+    "constant": lambda p: 1.0,
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+}
 
 
 def sampling_params(cfg: Config) -> SamplingParams:

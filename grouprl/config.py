@@ -212,7 +212,10 @@ class TrainConfig(_Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up updates, then constant.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up updates.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: keep the lr, or decay it to 0 at the last update."
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward (gradient accumulation)."
