@@ -1,0 +1,223 @@
+"""The config's sections: one pydantic model per component, a description per field.
+
+grouprl.config assembles them into `Config` and owns loading, presets and combination checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grouprl.objectives.presets import preset_settings
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("run", description="Run name; the run directory is output_dir/name.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for python, numpy and torch RNGs.")
+    resume: bool = Field(False, description="Continue from the last complete checkpoint.")
+    overwrite: bool = Field(False, description="Start afresh in a run directory that has a run.")
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Where to train.")
+    num_threads: int | None = Field(None, description="torch CPU threads (None: torch default).")
+    log_backends: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"], description="Metric sinks besides metrics.jsonl."
+    )
+    console: bool = Field(True, description="Show the progress bar and status lines.")
+    fail_fast: bool = Field(False, description="Re-raise reward-function errors instead of NaN.")
+
+
+class LoRAConfig(_Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names that get adapters.",
+    )
+
+
+class ModelConfig(_Section):
+    type: Literal["causal_lm"] = Field("causal_lm", description="Policy kind.")
+    name_or_path: str = Field(..., description="Hub id or local save_pretrained folder.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype."
+    )
+    lora: LoRAConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    logprob_chunk_size: int | None = Field(
+        None, ge=1, description="Rows per LM-head chunk when scoring (None: policy default)."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+
+
+class TaskConfig(_Section):
+    name: str = Field(..., description="Task registry name: arithmetic, countdown, math.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Task factory options.")
+
+
+class RewardConfig(_Section):
+    name: str = Field(
+        ...,
+        description="Built-in reward name or 'module:function' / 'file.py:fn'; a name of one of "
+        "the task's rewards (e.g. accuracy) without options means the task's own function.",
+    )
+    weight: float = Field(1.0, description="Weight in the combined reward.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Reward factory options.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = Field("hf", description="Generation backend.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
+    group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_new_tokens: int = Field(64, ge=1, description="Longest completion (L_max).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    old_logp: Literal["recompute", "engine"] = Field(
+        "recompute",
+        description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
+        "engine: trust the engine's sampling log-probs.",
+    )
+
+
+Advantage = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "tpo"
+]
+Aggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "delta_l"
+]
+Correction = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+class AlgorithmConfig(_Section):
+    preset: str = Field("grpo", description="objectives.presets name; fills fields left unset.")
+    advantage: Advantage = Field("grpo", description="Advantage estimator.")
+    scale: Literal["group", "batch", "none"] = Field("group", description="Std scaling.")
+    adv_eps: float = Field(1e-4, ge=0, description="Added to the std before dividing.")
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="How several rewards combine (GDPO = normalize_then_sum)."
+    )
+    ratio_level: Literal["token", "sequence", "geometric"] = Field("token", description="Ratio.")
+    surrogate: Literal["clip", "cispo", "sapo", "reinforce", "clip_cov", "kl_cov", "pmd", "tpo"] = (
+        Field("clip", description="Policy-gradient surrogate.")
+    )
+    pg_coef: float = Field(1.0, ge=0, description="Weight of the policy-gradient term (0: none).")
+    eps_low: float = Field(0.2, ge=0, description="Lower clip range (1 - eps_low).")
+    eps_high: float = Field(0.2, ge=0, description="Upper clip range (1 + eps_high).")
+    dual_clip_c: float | None = Field(None, gt=1, description="Dual-clip bound for A < 0.")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO gate temperature for A > 0.")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO gate temperature for A <= 0.")
+    clip_cov_ratio: float = Field(2e-4, ge=0, le=1, description="Clip-Cov token fraction.")
+    clip_cov_lb: float = Field(1.0, description="Clip-Cov covariance lower bound.")
+    clip_cov_ub: float = Field(5.0, description="Clip-Cov covariance upper bound.")
+    kl_cov_ratio: float = Field(2e-4, ge=0, le=1, description="KL-Cov token fraction.")
+    kl_cov_coef: float = Field(1.0, ge=0, description="KL-Cov penalty coefficient.")
+    pmd_tau: float = Field(0.01, gt=0, description="PMD-mean temperature tau (arXiv 2602.05933).")
+    tpo_eta: float = Field(1.0, gt=0, description="TPO target temperature eta (arXiv 2604.06159).")
+    aggregation: Aggregation = Field("seq_mean_token_mean", description="Loss aggregation.")
+    delta_l_alpha: float = Field(
+        0.75, ge=0, description="Delta-L length exponent (arXiv 2509.07558)."
+    )
+    token_scale: Literal["none", "prefix_share"] = Field(
+        "none", description="prefix_share: lambda-GRPO 1/k token scales (arXiv 2509.21154)."
+    )
+    egsw: Literal["off", "sequence", "token"] = Field(
+        "off", description="Entropy-guided weights over the group (arXiv 2503.22456)."
+    )
+    egsw_alpha: float = Field(
+        0.1, description="EGSW entropy coefficient alpha; the paper's value is unconfirmed."
+    )
+    egsw_temperature: float = Field(
+        1.0, gt=0, description="EGSW softmax temperature P; the paper's value is unconfirmed."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no reference).")
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = Field("k3", description="KL estimator.")
+    kl_mode: Literal["loss", "reward"] = Field("loss", description="KL as loss term or in reward.")
+    entropy_coef: float = Field(0.0, description="loss -= coef * entropy (positive raises H).")
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="Train top-q entropy tokens.")
+    engine_correction: Correction = Field("none", description="Trainer/engine mismatch weights.")
+    engine_correction_max: float = Field(2.0, gt=0, description="Upper IS-weight threshold.")
+    engine_correction_min: float = Field(0.0, ge=0, description="Lower IS-weight threshold.")
+    dynamic_sampling: Literal["off", "zero_variance"] = Field("off", description="DAPO filter.")
+    max_sampling_rounds: int = Field(3, ge=1, description="Generation rounds per step at most.")
+    overlong_shaping: Literal["off", "soft"] = Field("off", description="DAPO overlong penalty.")
+    overlong_buffer_frac: float = Field(0.2, gt=0, le=1, description="L_cache / L_max.")
+    overlong_factor: float = Field(1.0, ge=0, description="Overlong penalty at L_max.")
+    epochs: int = Field(1, ge=1, description="mu: passes over each batch.")
+    minibatches: int = Field(1, ge=1, description="Optimizer updates per epoch.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            preset = data.get("preset", "grpo")
+            data = {**preset_settings(preset), **data, "preset": preset}
+        return data
+
+
+class CurriculumConfig(_Section):
+    type: Literal["none", "dump"] = Field(
+        "none", description="none: uniform prompts; dump: UCB over data sources (arXiv 2504.09710)."
+    )
+    source_column: str = Field("source", description="Example column naming its data source.")
+    window: int = Field(300, ge=1, description="DUMP: |advantage| values kept per source.")
+    c: float = Field(1.0, ge=0, description="DUMP: UCB exploration coefficient.")
+    temperature: float = Field(0.1, gt=0, description="DUMP: softmax temperature over sources.")
+
+
+class AgentConfig(_Section):
+    """Multi-turn episodes (task.name = env): limits and credit assignment."""
+
+    max_turns: int = Field(8, ge=1, description="Assistant turns per episode at most.")
+    max_turn_tokens: int = Field(32, ge=1, description="Tokens per assistant turn at most.")
+    max_total_tokens: int = Field(
+        1024, ge=1, description="Context budget (prompt + all turns); overflow ends the episode."
+    )
+    invalid_penalty: float = Field(0.1, ge=0, description="Subtracted for an unparsable action.")
+    credit: Literal["trajectory", "turn", "gigpo"] = Field(
+        "trajectory",
+        description="trajectory: episode return for every turn; turn: discounted per-turn "
+        "returns; gigpo: episode + step advantages from anchor states (arXiv 2505.10978).",
+    )
+    gamma: float = Field(0.95, ge=0, le=1, description="Discount for turn / step returns.")
+    omega: float = Field(1.0, ge=0, description="GiGPO weight of the step advantage.")
+    norm: Literal["mean_std_norm", "mean_norm"] = Field(
+        "mean_std_norm", description="GiGPO/turn normalisation: divide by the std or not."
+    )
+    adv_eps: float = Field(1e-6, ge=0, description="Added to the std in episode/step advantages.")
+    keep_top_groups: float = Field(
+        1.0, gt=0, le=1, description="StarPO-S: train only this fraction of groups, by reward std."
+    )
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps (one rollout batch each).")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up updates.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: keep the lr, or decay it to 0 at the last update."
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Samples per forward/backward (gradient accumulation)."
+    )
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Evaluate every k steps (0: only before and after).")
+    max_examples: int | None = Field(None, ge=1, description="Held-out examples used.")
+    pass_k: int = Field(0, ge=0, description="Also report pass@k with k samples (0: off).")
+    batch_size: int = Field(256, ge=1, description="Prompts per generation batch.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Save every k steps (0: only at the end).")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept.")
