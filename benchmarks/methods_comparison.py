@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from grouprl.config import load_config
 from grouprl.demo import CONFIG, warm_up
+from grouprl.envs.tasks import build_task
 from grouprl.train import train
 
 METHODS = ["grpo", "dr_grpo", "dapo", "gspo", "lambda_grpo", "pmd_mean", "tpo"]
@@ -34,7 +35,10 @@ def run(args: argparse.Namespace) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {m: [] for m in args.methods}
     for seed in args.seeds:
         base = load_config(CONFIG, [f"run.seed={seed}", f"run.output_dir={out}"])
-        model_dir = warm_up(base, out / f"warmup-seed{seed}", args.warmup_max_steps, 0.3, console)
+        task = build_task(base.task.name, **base.task.options)
+        model_dir = warm_up(
+            base, task, out / f"warmup-seed{seed}", args.warmup_max_steps, 0.3, console
+        )
         for method in args.methods:
             cfg = load_config(CONFIG, [
                 f"algorithm.preset={method}", f"model.name_or_path={model_dir}",

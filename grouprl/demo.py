@@ -32,14 +32,13 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "text" / "arithmetic_
 MODEL = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, intermediate=256, max_position=64)
 
 
-def warm_up(cfg, out_dir: Path, steps: int, target: float, console: Console) -> Path:
+def warm_up(cfg, task, out_dir: Path, steps: int, target: float, console: Console) -> Path:
     """Build the tiny model, run the supervised warm-up on the task's train split, save it."""
     if (out_dir / "config.json").exists():
         console.print(f"reusing the warm-up checkpoint in {out_dir}")
         return out_dir
     tokenizer = char_tokenizer()
     model = tiny_qwen2(tokenizer, seed=cfg.run.seed, **MODEL)
-    task = build_task(cfg.task.name, **cfg.task.options)
     t0 = time.time()
     n_params = sum(p.numel() for p in model.parameters())
     console.print(
@@ -78,16 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
     warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-{key}"
     warm_dir.parent.mkdir(parents=True, exist_ok=True)
-    model_dir = warm_up(cfg, warm_dir, args.warmup_max_steps, args.warmup_target, console)
+    task = build_task(cfg.task.name, **cfg.task.options)  # built once: warm-up data and the count
+    model_dir = warm_up(cfg, task, warm_dir, args.warmup_max_steps, args.warmup_target, console)
     cfg = load_config(
         CONFIG, [*args.overrides, f"model.name_or_path={model_dir}", "run.overwrite=true"]
     )
     t0 = time.time()
     result = train(cfg)
     before, after = result["before"], result["after"]
-    table = Table(
-        title=f"held-out split ({len(build_task(cfg.task.name, **cfg.task.options).eval)} problems)"
-    )
+    table = Table(title=f"held-out split ({len(task.eval[: cfg.eval.max_examples])} problems)")
     table.add_column("metric")
     table.add_column("before GRPO", justify="right")
     table.add_column("after GRPO", justify="right")

@@ -118,7 +118,7 @@ class Groups:
         return torch.where(keep, x - self.mean(x), torch.zeros_like(x))  # [N]
 
 
-def _batch_std(x: Tensor, valid: Tensor) -> Tensor:
+def batch_std(x: Tensor, valid: Tensor) -> Tensor:
     """Unbiased std of x over valid samples (0 when fewer than 2) -> scalar."""
     v = x[valid]  # [n_valid]
     return v.std() if v.numel() > 1 else x.new_zeros(())
@@ -129,7 +129,7 @@ def _whiten(x: Tensor, valid: Tensor, eps: float) -> Tensor:
     v = x[valid]  # [n_valid]
     if v.numel() == 0:
         return torch.zeros_like(x)
-    out = (x - v.mean()) / (_batch_std(x, valid) + eps)  # [N]
+    out = (x - v.mean()) / (batch_std(x, valid) + eps)  # [N]
     return torch.where(valid, out, torch.zeros_like(x))  # [N]
 
 
@@ -142,7 +142,7 @@ def _divide_by_std(adv: Tensor, r: Tensor, g: Groups, scale: str, eps: float) ->
     _check_scale(scale)
     if scale == "none":
         return adv
-    std = g.std(r) if scale == "group" else _batch_std(r, g.valid)  # [N] or scalar
+    std = g.std(r) if scale == "group" else batch_std(r, g.valid)  # [N] or scalar
     denom = (std + eps) * torch.ones_like(adv)  # [N]
     # a zero-variance group with eps=0 would be 0/0: its advantage is exactly 0 by definition
     return torch.where(denom > 0, adv / denom.clamp(min=torch.finfo(adv.dtype).tiny), 0.0)  # [N]

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives import compute_advantages, sequence_kl
+from grouprl.objectives.advantages import batch_std
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
 from grouprl.rollouts.episodes import advantages as episode_advantages
@@ -60,7 +61,10 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
         rollout.seq_weights = delta_l_weights(lengths, a.delta_l_alpha)  # [N]
 
     total = combined_reward(rollout.rewards, weights)  # [N]
-    metrics = {"reward/mean": float(torch.nanmean(total)), "reward/std": float(_nanstd(total))}
+    metrics = {
+        "reward/mean": float(torch.nanmean(total)),
+        "reward/std": float(batch_std(total, ~total.isnan())),
+    }
     for k, v in rollout.rewards.items():
         metrics[f"reward/{k}"] = float(torch.nanmean(v)) if (~v.isnan()).any() else math.nan
     metrics.update({"response_length/mean": float(lengths.mean()),
@@ -83,8 +87,3 @@ def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
         )  # fmt: skip  # [N, T]
         scales = w if scales is None else scales * w
     return scales
-
-
-def _nanstd(x: Tensor) -> Tensor:
-    x = x[~x.isnan()]
-    return x.std() if x.numel() > 1 else torch.tensor(0.0)
