@@ -32,3 +32,21 @@ def tiny_tokenizer():
 @pytest.fixture
 def tiny_model(tiny_tokenizer):
     return tiny_qwen2(tiny_tokenizer)
+
+
+# ---- reliability counts (fuzz targets, hostile snippets): printed once at the end of the session
+_RELIABILITY_COUNTS: dict[str, int] = {}
+
+
+@pytest.fixture(scope="session")
+def reliability_counts() -> dict[str, int]:
+    """A session-wide dict, name -> count (e.g. hypothesis cases generated per fuzz target, hostile
+    snippets tried / contained); tests add to it and `pytest_terminal_summary` prints it."""
+    return _RELIABILITY_COUNTS
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _RELIABILITY_COUNTS:
+        terminalreporter.section("reliability counts")
+        for name, count in sorted(_RELIABILITY_COUNTS.items()):
+            terminalreporter.line(f"{name}: {count}")

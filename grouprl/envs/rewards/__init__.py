@@ -2,6 +2,11 @@
 
 `build_reward(name, **options)` returns a batched reward function
 `fn(completions, **columns) -> list[float | None]`; see `loading` for the calling protocol.
+Image rewards take the images in place of the completions: `fn(images, prompts=None, **columns)`
+(`image.py` for the accepted image forms). Several rewards combine with per-reward weights; with
+`algorithm.reward_aggregation: normalize_then_sum` (GDPO) each reward is z-scored within its group
+before the weighted sum, which puts rewards of different scales (JPEG kB, CLIP x100, aesthetic 1..10)
+on one footing, for images as for text.
 """
 
 from __future__ import annotations
@@ -9,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from grouprl.envs.rewards.code import code_reward
+from grouprl.envs.rewards.image import color_target, jpeg_compressibility, jpeg_incompressibility
+from grouprl.envs.rewards.image_models import aesthetic, clip_score, pickscore
 from grouprl.envs.rewards.loading import (
     RewardFn,
     call_with_options,
@@ -22,6 +30,14 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "format": format_reward,
     "overlong": overlong_reward,
     "length": length_reward,
+    "code": code_reward,  # runs completions against tests in the sandbox
+    # image rewards: fn(images, prompts=None, **columns); see envs/rewards/image.py
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+    "color_target": color_target,
+    "clip_score": clip_score,
+    "pickscore": pickscore,
+    "aesthetic": aesthetic,
 }
 
 
@@ -45,7 +61,14 @@ __all__ = [
     "REWARDS",
     "RewardFn",
     "accuracy_reward",
+    "aesthetic",
+    "clip_score",
+    "color_target",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "pickscore",
     "build_reward",
+    "code_reward",
     "format_reward",
     "length_reward",
     "load_reward_fn",

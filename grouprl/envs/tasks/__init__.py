@@ -13,6 +13,7 @@ from typing import Any
 from grouprl.envs.rewards.loading import call_with_options
 from grouprl.envs.tasks.arithmetic import build_arithmetic
 from grouprl.envs.tasks.base import RewardFn, TaskData
+from grouprl.envs.tasks.code import build_code
 from grouprl.envs.tasks.countdown import build_countdown
 from grouprl.envs.tasks.env_seeds import build_env_task
 from grouprl.envs.tasks.math import build_math
@@ -22,6 +23,7 @@ TASKS: dict[str, Callable[..., TaskData]] = {
     "countdown": build_countdown,
     "math": build_math,
     "env": build_env_task,
+    "code": build_code,
 }
 
 
