@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from grouprl.config_diffusion import DiffusionConfig
 from grouprl.config_sections import (  # noqa: F401  (re-exported: the public config API)
     Advantage,
     AgentConfig,
@@ -50,6 +51,9 @@ class Config(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    diffusion: DiffusionConfig = Field(
+        default_factory=DiffusionConfig, description="Image / video policies only."
+    )
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
