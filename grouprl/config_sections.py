@@ -28,7 +28,9 @@ class RunConfig(_Section):
         default_factory=lambda: ["jsonl"], description="Metric sinks besides metrics.jsonl."
     )
     console: bool = Field(True, description="Show the progress bar and status lines.")
-    fail_fast: bool = Field(False, description="Re-raise reward-function errors instead of NaN.")
+    fail_fast: bool = Field(
+        False, description="Stop at a reward / env error or timeout instead of NaN / ending it."
+    )
 
 
 class LoRAConfig(_Section):
@@ -68,6 +70,18 @@ class RewardConfig(_Section):
     )
     weight: float = Field(1.0, description="Weight in the combined reward.")
     options: dict[str, Any] = Field(default_factory=dict, description="Reward factory options.")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of one sample's reward call; set, the function runs one sample at a "
+        "time in a worker (grouprl.reward_isolation) and a hanging / raising sample gets NaN.",
+    )
+    isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="With timeout_s: 'process' (forked workers, killed at the deadline) or "
+        "'thread' (for CUDA reward models; a late call is abandoned, not stopped).",
+    )
+    workers: int = Field(1, ge=1, description="With timeout_s: samples scored in parallel.")
 
 
 class RolloutConfig(_Section):
@@ -194,6 +208,12 @@ class AgentConfig(_Section):
     keep_top_groups: float = Field(
         1.0, gt=0, le=1, description="StarPO-S: train only this fraction of groups, by reward std."
     )
+    env_step_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of one env reset / step; set, each env runs in its own process "
+        "(killed at the deadline). A step that raises or hangs ends its episode with an error.",
+    )
 
 
 class TrainConfig(_Section):
@@ -208,6 +228,12 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward (gradient accumulation)."
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="A NaN/inf loss or gradient skips that update; this many steps in a row with "
+        "a skipped update stop the run.",
     )
 
 
