@@ -152,6 +152,22 @@ def test_registry_and_score_completions_with_an_image_tensor():
     assert rewards["green"].tolist() == pytest.approx(direct, abs=1e-6)
 
 
+def test_a_failing_sample_costs_only_that_sample():
+    """A bad per-sample target raises on the batch; score_completions retries one by one and
+    gives that sample NaN (counted in errors), the others their values."""
+    images = torch.stack([flat([0.0, 1.0, 0.0]), flat([0.0, 0.0, 1.0]), flat([1.0, 0.0, 0.0])])
+    fns = {"c": build_reward("color_target", target_column="color")}
+    examples = [
+        {"prompt": "a", "color": "lime"},
+        {"prompt": "b", "color": "no such colour"},
+        {"prompt": "c", "color": [1.0, 0.0, 0.0]},
+    ]
+    rewards, errors = score_completions(fns, images, examples)
+    assert errors == {"c": 1}
+    assert rewards["c"][[0, 2]].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert math.isnan(rewards["c"][1].item())
+
+
 # ---------------------------------------------------------------- several image rewards (GDPO)
 
 
