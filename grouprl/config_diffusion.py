@@ -8,6 +8,7 @@ Sources of the other values: METHODS.md sections 6-8 and peers/diffusion.md.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -166,6 +167,15 @@ class DiffusionConfig(_Section):
                 f"objective={self.objective!r} has none (use objective='policy_gradient')"
             )
         k = self.rollout_steps
+        if likelihood_free:  # the range of objectives.flow_support.stratified_timestep_indices
+            hi = min(math.floor(self.lf_timestep_fraction * k), k - 1)
+            if hi < 1 or (self.lf_timesteps or 0) > hi:
+                raise ValueError(
+                    f"objective={self.objective!r} trains on step indices 1..min(floor("
+                    f"lf_timestep_fraction * rollout_steps), rollout_steps - 1) = 1..{hi}; "
+                    f"lf_timesteps={self.lf_timesteps} does not fit (raise rollout_steps or "
+                    "lf_timestep_fraction, or lower lf_timesteps)"
+                )
         if self.objective == "policy_gradient" and self.train_steps in (
             "all_but_last", "random_fraction"
         ) and k < 2:  # fmt: skip

@@ -113,6 +113,11 @@ def test_out_of_range_numbers_are_rejected(fields, match):
         ({"objective": "awm", "sampler": "ode", "adv_clip_max": None}, "set adv_clip_max"),
         ({"objective": "diffusion_nft", "ratio_norm": "grpo_guard"}, "has none"),
         ({"rollout_steps": 1}, "needs rollout_steps >= 2"),
+        ({"objective": "diffusion_nft", "sampler": "ode", "rollout_steps": 1}, r"= 1\.\.0;"),
+        (
+            {"objective": "awm", "rollout_steps": 14, "lf_timesteps": 13},
+            r"= 1\.\.12; lf_timesteps=13",
+        ),
         ({"train_steps": "random_window", "window_size": 7, "rollout_steps": 6}, r"\[0, 7\)"),
         (
             {"train_steps": "sliding_window", "window_range": [2, 12]},
@@ -128,7 +133,7 @@ def test_settings_that_cannot_work_together_fail_with_why(fields, match):
 def test_combinations_that_do_work():
     ok = [
         {"objective": "awm", "sampler": "ode", "lf_timesteps": 6},
-        {"objective": "diffusion_nft", "sampler": "ode", "rollout_steps": 1},
+        {"objective": "diffusion_nft", "sampler": "ode", "rollout_steps": 2},
         {"train_steps": "random_window", "window_size": 3, "rollout_steps": 6},  # [0, 3)
         {"train_steps": "sliding_window", "window_size": 4, "rollout_steps": 25},
         {"sampler": "cps", "noise_level": 1.0},

@@ -1,7 +1,8 @@
 """The objective library shared by every modality: pure functions on [N] / [N, T] tensors.
 
 Public entry points: compute_advantages, policy_loss, kl_penalty, aggregate, total_loss,
-engine_is_weights, high_entropy_mask, entropy_bonus, and the presets.
+engine_is_weights, high_entropy_mask, entropy_bonus, the likelihood-free flow losses
+(LIKELIHOOD_FREE: nft_loss, awm_loss) and the presets.
 """
 
 from grouprl.objectives import presets
@@ -10,6 +11,7 @@ from grouprl.objectives.aggregation import AGGREGATIONS, aggregate, delta_l_weig
 from grouprl.objectives.correction import CORRECTIONS, engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask, token_entropy_from_logits
 from grouprl.objectives.flow_guard import guard_log_ratio, guard_step_loss
+from grouprl.objectives.flow_objectives import LIKELIHOOD_FREE, awm_loss, nft_loss
 from grouprl.objectives.group_losses import pmd_token_loss, tpo_loss
 from grouprl.objectives.kl import KL_ESTIMATORS, kl_in_reward, kl_penalty, sequence_kl
 from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
@@ -28,11 +30,13 @@ __all__ = [
     "CORRECTIONS",
     "EGSW_MODES",
     "KL_ESTIMATORS",
+    "LIKELIHOOD_FREE",
     "PRESETS",
     "RATIO_LEVELS",
     "SURROGATES",
     "TOKEN_SCALES",
     "aggregate",
+    "awm_loss",
     "compute_advantages",
     "count_tokens",
     "delta_l_weights",
@@ -44,6 +48,7 @@ __all__ = [
     "high_entropy_mask",
     "kl_in_reward",
     "kl_penalty",
+    "nft_loss",
     "pmd_token_loss",
     "policy_loss",
     "prefix_share_scales",
