@@ -4,7 +4,8 @@ Layout under run_dir/checkpoints/:
   step-00000100/model/               whatever `save_model` wrote (HF save_pretrained layout)
   step-00000100/trainer_state.pt     the caller's `state` (optimizer, scheduler, step, data position)
                                      plus the RNG states under the key "rng"
-  step-00000100/manifest.json        {"format", "step", "time", "files": {relpath: size}}, written LAST
+  step-00000100/manifest.json        {"format", "step", "time", "files": {relpath: size},
+                                     "sha256": {relpath: hex digest}}, written LAST
   latest                             the name of the newest checkpoint (for people and tools)
 
 How a crash can never leave a half checkpoint behind: everything is written into `.tmp-step-...`,
@@ -12,10 +13,17 @@ fsynced, and only then renamed to `step-...` in one atomic `os.replace`. A check
 complete only if its manifest parses, names its own step, and every listed file exists with the
 listed size. `latest()` scans for that rather than trusting the `latest` pointer, which a crash can
 leave one step behind. Leftover `.tmp-*` directories are deleted when a manager is created.
+
+Damage after the fact (a disk error, a copy cut short, a file edited by hand) is caught by the
+checksums: `latest(verify=True)`, which resumes use, re-hashes the newest checkpoint's files and,
+when one does not match (or is truncated, or missing), warns, renames that checkpoint to
+`corrupt-step-...` (kept for a person to inspect, ignored from then on) and tries the previous one.
+Manifests of format 1 (sizes only, no checksums) are still accepted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -106,6 +114,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_problem(ckpt: Path) -> str | None:
+    """Why checkpoint `ckpt` cannot be trusted (incomplete, or a file whose sha256 differs from the
+    manifest's), or None when it is intact. Reads every file: use it on resume, not on every save."""
+    if not _manifest_ok(ckpt):
+        return f"incomplete (missing / invalid {MANIFEST}, or a file missing or of the wrong size)"
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
+        for rel, expected in manifest.get("sha256", {}).items():
+            if _sha256(ckpt / rel) != expected:
+                return f"checksum mismatch in {rel}"
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"unreadable ({exc})"
+    return None
+
+
 def _manifest_ok(ckpt: Path) -> bool:
     """True if `ckpt` is a complete checkpoint: valid manifest, own step, all files intact."""
     m = _STEP_DIR.match(ckpt.name)
@@ -129,6 +160,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
+        self.rejected: list[str] = []  # what latest(verify=True) found damaged, for the run's log
         for leftover in self.dir.glob(".tmp-*"):  # debris of a crash mid-save or mid-prune
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -140,10 +172,30 @@ class CheckpointManager:
         found = [p for p in self.dir.iterdir() if p.is_dir() and _manifest_ok(p)]
         return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None (found by scanning; `latest` is only a hint)."""
-        done = self.complete()
-        return done[-1] if done else None
+    def latest(self, verify: bool = False) -> Path | None:
+        """The newest complete checkpoint, or None (found by scanning; `latest` is only a hint).
+
+        verify=True also checks the checksums, newest first: a damaged checkpoint is reported with
+        a warning (and in `self.rejected`), renamed to corrupt-step-..., and the previous one tried.
+        """
+        if not verify:
+            done = self.complete()
+            return done[-1] if done else None
+        found = [p for p in self.dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        found.sort(key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
+        for ckpt in found:  # newest first
+            problem = checksum_problem(ckpt)
+            if problem is None:
+                return ckpt
+            aside = self.dir / f"corrupt-{ckpt.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(ckpt, aside)
+            note = (
+                f"checkpoint {ckpt.name} is damaged: {problem}; moved to {aside.name}, "
+                "falling back to the previous one (if any)"
+            )
+            self.rejected.append(note)
+            warnings.warn(note, stacklevel=2)
+        return None
 
     def save(
         self,
@@ -176,10 +228,11 @@ class CheckpointManager:
             for p in files:
                 _fsync_file(p)
             manifest = {
-                "format": 1,
+                "format": 2,
                 "step": int(step),
                 "time": time.time(),
                 "files": {str(p.relative_to(tmp)): p.stat().st_size for p in files},
+                "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             _fsync_file(tmp / MANIFEST)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from grouprl.checkpoint import CheckpointManager, restore_rng
 from grouprl.config import Config
@@ -38,8 +41,19 @@ def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before) 
         step,
         save_model=policy.save_pretrained,
         state=state,
-        check_finite=policy.trainable_parameters(),
+        # no NaN/inf may reach a checkpoint: the weights trained and the optimizer's moments
+        check_finite=[*policy.trainable_parameters(), *_optimizer_tensors(optimizer)],
     )
+
+
+def _optimizer_tensors(optimizer) -> list[tuple[str, Any]]:
+    """(name, tensor) of every tensor in the optimizer state, e.g. ("optimizer state 3/exp_avg", t)."""
+    return [
+        (f"optimizer state {index}/{key}", value)
+        for index, slots in optimizer.state_dict()["state"].items()
+        for key, value in slots.items()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def resume_from(path: Path, policy, optimizer, scheduler, sampler) -> tuple[int, dict | None]:

@@ -10,6 +10,7 @@ Each step:  sample prompts_per_step x group_size  ->  score with the reward func
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
+from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.rollouts import episodes
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
 from grouprl.rollouts.filters import sample_until_full
@@ -41,7 +43,8 @@ from grouprl.types import Rollout
 
 
 class NonFiniteLossError(RuntimeError):
-    """A loss or gradient was NaN/inf; the weights and checkpoints were left untouched."""
+    """train.max_nonfinite_steps steps in a row had a NaN/inf loss or gradient (each such update
+    was skipped, so the weights and checkpoints hold finite values only)."""
 
 
 # ---- one step -----------------------------------------------------------------------------------
@@ -77,6 +80,8 @@ def rollout_step(
     else:
         rollout = one_round(0)
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
+    for k, v in drain_reward_metrics(reward_fns).items():  # isolated / code rewards' own counts
+        metrics[k] = metrics.get(k, 0.0) + v
     if rollout is not None and is_agent(cfg):
         metrics.update(episodes.episode_metrics(rollout))
         rollout = episodes.keep_informative(cfg, rollout)
@@ -101,6 +106,7 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
     means: dict[str, float] = {}  # per-micro-batch statistics: averaged
     norms: list[float] = []
     n_micro = n_updates = 0
+    skipped = [0, 0]  # updates skipped for a non-finite [loss, gradient norm]
     policy.train()
     for _ in range(a.epochs):
         for mb, micro_batches in split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
@@ -111,6 +117,7 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
                 group_ids=rollout.group_ids[mb],
             )  # global counts of this optimizer update: tokens, sequences, groups
             optimizer.zero_grad(set_to_none=True)
+            parts: list[dict[str, float]] = []  # metrics of this update's micro-batches
             for idx in micro_batches:
                 sub = rollout.select(idx)
                 out = policy.log_probs(
@@ -126,32 +133,61 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
                     seq_weights=sub.seq_weights,
                 )  # fmt: skip
                 if not torch.isfinite(res.loss):
-                    raise NonFiniteLossError(
-                        f"non-finite loss ({float(res.loss.detach())}) at an update; this step was "
-                        "abandoned before the update and no checkpoint was written for it. Lower "
-                        "train.lr, check the rewards, or use dtype float32"
-                    )
+                    break  # the update is skipped below
                 res.loss.backward()
-                for k, v in res.metrics.items():
+                parts.append(res.metrics)
+            finite_loss = len(parts) == len(micro_batches)
+            norm = _clip(policy, cfg.train.max_grad_norm) if finite_loss else math.nan
+            if not math.isfinite(norm):  # NaN/inf loss or gradient: skip this one update
+                optimizer.zero_grad(set_to_none=True)
+                skipped[0 if not finite_loss else 1] += 1
+                _advance_schedule_only(scheduler)
+                continue
+            for part in parts:
+                for k, v in part.items():
                     acc = shares if k in _LOSS_SHARES else means
                     acc[k] = acc.get(k, 0.0) + v
-                n_micro += 1
-            norm = _clip(policy, cfg.train.max_grad_norm)
-            if not math.isfinite(norm):
-                optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteLossError(
-                    f"non-finite gradient norm ({norm}); this step was abandoned before the update "
-                    "and no checkpoint was written for it. Lower train.lr or check the rewards"
-                )
+            n_micro += len(parts)
             norms.append(norm)
             optimizer.step()
             scheduler.step()
             n_updates += 1
     metrics = {k: v / max(n_micro, 1) for k, v in means.items()}
     metrics.update({k: v / max(n_updates, 1) for k, v in shares.items()})
-    metrics["grad_norm"] = sum(norms) / max(len(norms), 1)
+    metrics["grad_norm"] = sum(norms) / len(norms) if norms else math.nan
     metrics["lr"] = scheduler.get_last_lr()[0]
+    metrics["skipped_nonfinite"] = float(sum(skipped))  # updates skipped: [loss, gradient]
+    metrics["skipped_nonfinite/loss"], metrics["skipped_nonfinite/grad"] = map(float, skipped)
     return metrics
+
+
+def _advance_schedule_only(scheduler) -> None:
+    """Step the lr schedule for a skipped update, so the lr stays a function of the update index
+    (torch warns when a scheduler steps before any optimizer step: expected here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        scheduler.step()
+
+
+def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak: int) -> int:
+    """Count steps in a row with a skipped update; print each; stop the run at the limit."""
+    skipped = metrics.get("skipped_nonfinite", 0.0)
+    if not skipped:
+        return 0
+    streak += 1
+    limit = cfg.train.max_nonfinite_steps
+    what = "loss" if metrics.get("skipped_nonfinite/loss") else "gradient"
+    logger.print(
+        f"step {step}: non-finite {what}; {int(skipped)} update(s) skipped, weights untouched "
+        f"({streak} step(s) in a row, train.max_nonfinite_steps={limit})"
+    )
+    if streak >= limit:
+        raise NonFiniteLossError(
+            f"stopping at step {step}: {streak} step(s) in a row had a non-finite {what} "
+            f"(train.max_nonfinite_steps={limit}); those updates were skipped and no non-finite "
+            "value was saved. Lower train.lr, check the rewards, or use dtype float32"
+        )
+    return streak
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
@@ -185,6 +221,9 @@ def train(cfg: Config) -> dict[str, Any]:
 
     task = build_task(cfg.task.name, **cfg.task.options)
     reward_fns, weights = build_rewards(cfg, task)
+    reward_fns = isolate_rewards(
+        reward_fns, isolation_settings(cfg.rewards), fail_fast=cfg.run.fail_fast
+    )  # rewards with a timeout_s run per sample in workers with a deadline
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, policy)
@@ -192,8 +231,8 @@ def train(cfg: Config) -> dict[str, Any]:
     params = sampling_params(cfg)
     ckpts = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
 
-    step, before = 0, None
-    latest = ckpts.latest() if cfg.run.resume else None
+    step, before, nonfinite_streak = 0, None, 0
+    latest = ckpts.latest(verify=True) if cfg.run.resume else None  # checksums: skip damaged
     if latest is not None:
         step, before = resume_from(latest, policy, optimizer, scheduler, sampler)
     logger = RunLogger(
@@ -202,6 +241,8 @@ def train(cfg: Config) -> dict[str, Any]:
     )  # fmt: skip
     if cfg.run.resume:  # rewind the logs to the checkpoint; with none yet, drop them all
         logger.truncate_after(step if latest is not None else -1)
+    for note in ckpts.rejected:
+        logger.print(note)
     if latest is not None:
         logger.print(f"resumed from {latest} at step {step}")
 
@@ -216,6 +257,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 policy, eval_examples, reward_fns, params,
                 batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
             )  # fmt: skip
+            m.update(drain_reward_metrics(reward_fns))
         logger.log(at_step, {f"eval/{k}": v for k, v in m.items()}, split="eval")
         logger.log_samples(at_step, [{"step": at_step, **row} for row in rows])
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
@@ -238,6 +280,7 @@ def train(cfg: Config) -> dict[str, Any]:
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
             logger.log(step, metrics)
+            nonfinite_streak = check_nonfinite_streak(cfg, logger, step, metrics, nonfinite_streak)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 run_eval(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:

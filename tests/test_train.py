@@ -422,7 +422,8 @@ def test_nan_loss_stops_without_touching_weights_or_checkpoints(
         return res
 
     monkeypatch.setattr(train_mod, "total_loss", nan_on_step_2)
-    cfg = make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1", "train.steps=3")
+    cfg = make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1", "train.steps=3",
+                   "train.max_nonfinite_steps=1")  # fmt: skip
     with pytest.raises(NonFiniteLossError, match="non-finite loss"):
         train(cfg)
     now = holder["policy"].model.state_dict()
@@ -431,7 +432,9 @@ def test_nan_loss_stops_without_touching_weights_or_checkpoints(
     assert [p.name for p in ckpts] == ["step-00000001"]  # nothing saved for step 2 (or after)
     saved = final_weights(tmp_path / "run")
     assert all(torch.equal(saved[k], snapshot[k]) for k in saved)
-    assert [r["step"] for r in read_metrics(tmp_path / "run", "train")] == [1]
+    # step 2's update was skipped (and logged), then the run stopped: max_nonfinite_steps=1
+    rows = read_metrics(tmp_path / "run", "train")
+    assert [(r["step"], r["skipped_nonfinite"]) for r in rows] == [(1, 0.0), (2, 1.0)]
 
 
 def test_nan_gradient_stops_without_touching_weights(
@@ -449,7 +452,8 @@ def test_nan_gradient_stops_without_touching_weights(
 
     monkeypatch.setattr(train_mod, "total_loss", nan_gradient)
     with pytest.raises(NonFiniteLossError, match="non-finite gradient"):
-        train(make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1"))
+        train(make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1",
+                       "train.max_nonfinite_steps=1"))  # fmt: skip
     now = holder["policy"].model.state_dict()
     assert all(torch.equal(now[k], snapshot[k]) for k in snapshot)
     assert CheckpointManager(tmp_path / "run").complete() == []
