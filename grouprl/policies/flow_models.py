@@ -1,0 +1,267 @@
+"""How each denoiser family is called, and how latents become images: two small registries.
+
+FAMILIES turns (latents, time, conditioning) into one network call and returns its prediction in
+the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
+- "sd3"    SD3Transformer2DModel: timestep = sigma * 1000, encoder_hidden_states = prompt_embeds,
+           pooled_projections = pooled_prompt_embeds (the StableDiffusion3Pipeline call).
+- "flux"   FluxTransformer2DModel: latents [B, C, H, W] are packed into 2x2 patches [B, HW/4, 4C]
+           with image ids (0, row, col) and zero text ids, timestep = (sigma * 1000) / 1000, and the
+           guidance embedding (a per-sample scale) when the config has guidance_embeds (FluxPipeline).
+- "wan"    WanTransformer3DModel: 5-D video latents [B, C, F, H, W], timestep = sigma * 1000.
+- "module" any nn.Module velocity model: `model(x, sigma, **cond) -> v` with x [B, ...] in the
+           model's dtype, sigma Float[B] in [0, 1] (1 = pure noise) and cond the conditioning tensors
+           of the batch (e.g. class_labels Long[B] or prompt_embeds [B, L, D]); returns v ~ eps - x0
+           of x's shape (a tensor, or an object with `.sample`).
+- "unet"   UNet2DConditionModel (SD 1.x, epsilon prediction): timestep = the integer DDPM step,
+           encoder_hidden_states = prompt_embeds.
+Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P], or for
+"module" any keys the model accepts. Classifier-free guidance batches [negative; positive] in one
+forward and returns uncond + scale (cond - uncond), as the diffusers pipelines do.
+
+DECODERS turn final latents into images in [0, 1] (Float[N, 3, H, W]; video Float[N, 3, F, H, W]):
+"kl" AutoencoderKL (latents / scaling + shift), "wan" AutoencoderKLWan (latents * std + mean per
+channel), "pixel" identity for pixel-space models (`pixel_range` "zero_one" clamps, "minus_one_one"
+maps [-1, 1] to [0, 1]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+PixelRange = Literal["zero_one", "minus_one_one"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One denoiser family: its call, LoRA targets, diffusers pipeline and folder names."""
+
+    name: str
+    predict: Callable[..., Tensor]  # (model, x, *, sigma, timestep, cond, guidance) -> [B, ...]
+    lora_targets: tuple[str, ...]  # peft target_modules (suffix match) of the attention projections
+    pipeline: str | None  # diffusers pipeline class: text encoding and LoRA file format
+    folder: str  # sub-folder of a diffusers layout ("transformer" / "unet") and LoRA key prefix
+    video: bool = False
+    sigma_spacing: Literal["scheduler", "linear"] = "scheduler"
+
+
+def _sample(out: Any) -> Tensor:
+    return out.sample if hasattr(out, "sample") else out[0] if isinstance(out, tuple) else out
+
+
+def _sd3(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    return model(
+        hidden_states=x, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+        pooled_projections=cond["pooled_prompt_embeds"], return_dict=False,
+    )[0]  # fmt: skip
+
+
+def pack_flux(x: Tensor) -> Tensor:
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: 2x2 patches in row-major order (FluxPipeline layout)."""
+    b, c, h, w = x.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"FLUX latents need even height and width, got {h}x{w}")
+    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # [B, H/2, W/2, C, 2, 2]
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_flux(x: Tensor, h: int, w: int) -> Tensor:
+    """Inverse of pack_flux: [B, (H/2)(W/2), 4C] -> [B, C, H, W]."""
+    b, _, c4 = x.shape
+    x = x.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # [B, C, H/2, 2, W/2, 2]
+    return x.reshape(b, c4 // 4, h, w)
+
+
+def flux_image_ids(h: int, w: int, device, dtype) -> Tensor:
+    """[(H/2)(W/2), 3] position ids (0, row, col) of the packed FLUX latent tokens."""
+    ids = torch.zeros(h // 2, w // 2, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(h // 2, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(w // 2, device=device, dtype=dtype)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def _flux(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    text = cond["prompt_embeds"]  # [B, L, D]
+    g = None
+    if getattr(model.config, "guidance_embeds", False):
+        if guidance is None:
+            raise ValueError("this FLUX transformer has guidance_embeds: pass a guidance scale")
+        g = guidance.to(device=x.device, dtype=torch.float32)  # [B]
+    out = model(
+        hidden_states=pack_flux(x), timestep=timestep / 1000, guidance=g,
+        pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=text,
+        txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=text.dtype),
+        img_ids=flux_image_ids(h, w, x.device, x.dtype), return_dict=False,
+    )[0]  # fmt: skip  # [B, HW/4, 4C]
+    return unpack_flux(out, h, w)
+
+
+def _wan(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    if x.dim() != 5:
+        raise ValueError(f"Wan latents must be [B, C, F, H, W], got {tuple(x.shape)}")
+    return model(
+        hidden_states=x, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+        return_dict=False,
+    )[0]  # fmt: skip
+
+
+def _module(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    return _sample(model(x, sigma, **cond))
+
+
+def _unet(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    return model(x, timestep, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+
+_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+_JOINT = (*_ATTN, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # Flow-GRPO's SD3 list
+
+FAMILIES: dict[str, Family] = {
+    "sd3": Family("sd3", _sd3, _JOINT, "StableDiffusion3Pipeline", "transformer"),
+    "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear"),
+    "wan": Family("wan", _wan, _ATTN, "WanPipeline", "transformer", video=True),
+    "module": Family("module", _module, _ATTN, None, "transformer"),
+    "unet": Family("unet", _unet, _ATTN, "StableDiffusionPipeline", "unet"),
+}
+
+_BY_CLASS = {
+    "SD3Transformer2DModel": "sd3",
+    "FluxTransformer2DModel": "flux",
+    "WanTransformer3DModel": "wan",
+    "UNet2DConditionModel": "unet",
+}
+
+
+def family_of(model: Any, family: str | None = None) -> Family:
+    """The Family named `family`, or the one of model's class (any other nn.Module: "module")."""
+    if family is None:
+        family = _BY_CLASS.get(type(model).__name__, "module")
+        if family == "module" and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"the model must be a torch nn.Module, got {type(model).__name__}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; allowed: {sorted(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def predict(
+    fam: Family,
+    model: Any,
+    x: Tensor,
+    *,
+    sigma: Tensor,
+    timestep: Tensor,
+    cond: dict[str, Tensor],
+    negative: dict[str, Tensor] | None,
+    guidance_scale: Tensor,
+    guidance: Tensor | None = None,
+) -> Tensor:
+    """The (guided) prediction Float32[B, ...] for latents x [B, ...] (any float dtype).
+
+    sigma / timestep / guidance_scale: [B]. Rows with guidance_scale > 1 get classifier-free guidance
+    from `negative` (required then); the whole batch takes one doubled forward when any row does.
+    guidance: the FLUX guidance-embedding scale [B] (ignored by other families).
+    """
+    dtype = next(iter(model.parameters())).dtype
+    xin = x.to(dtype)  # [B, ...]
+    cfg = bool((guidance_scale > 1).any())
+    if not cfg:
+        out = fam.predict(model, xin, sigma=sigma, timestep=timestep, cond=_cast(cond, dtype),
+                          guidance=guidance)  # fmt: skip
+        return out.float()  # [B, ...]
+    if negative is None:
+        raise ValueError(
+            "guidance_scale > 1 needs negative (unconditional) embeddings in the condition"
+        )
+    both = {k: torch.cat([negative[k], cond[k]]) for k in cond}  # [2B, ...] each
+    g2 = None if guidance is None else torch.cat([guidance, guidance])
+    out = fam.predict(
+        model, torch.cat([xin, xin]), sigma=torch.cat([sigma, sigma]),
+        timestep=torch.cat([timestep, timestep]), cond=_cast(both, dtype), guidance=g2,
+    ).float()  # fmt: skip  # [2B, ...]
+    uncond, text = out.chunk(2)  # [B, ...] each
+    scale = guidance_scale.float().view(-1, *([1] * (x.dim() - 1)))  # [B, 1, ...]
+    return uncond + scale * (text - uncond)  # [B, ...]
+
+
+def _cast(cond: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in cond.items()}
+
+
+def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None = None,
+                     family: str | None = None) -> tuple[int, ...]:  # fmt: skip
+    """(C, h, w) latents of an image (C, f, h, w for video) for a diffusers denoiser and VAE."""
+    fam = family_of(model, family)
+    spatial, temporal = vae_scale(vae)
+    if fam.name == "module":
+        raise ValueError(
+            "latent_shape_for: pass latent_shape explicitly for a user velocity module"
+        )
+    channels = model.config.in_channels
+    if fam.name == "flux":  # FLUX packs 2x2 patches: in_channels = 4 C, even latent sides
+        return channels // 4, 2 * (height // (spatial * 2)), 2 * (width // (spatial * 2))
+    if fam.video:
+        if num_frames is None:
+            raise ValueError("latent_shape_for: a video model needs num_frames")
+        return channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial
+    return channels, height // spatial, width // spatial
+
+
+# ---- decoding ----------------------------------------------------------------------------------
+
+
+def _decode_kl(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
+    scale, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
+    z = (z / scale + shift).to(next(iter(vae.parameters())).dtype)  # [N, C, h, w]
+    return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
+
+
+def _decode_wan(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
+    z = (z * std + mean).to(next(iter(vae.parameters())).dtype)  # [N, C, f, h, w]
+    return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, F, H, W]
+
+
+def _decode_pixel(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
+    if pixel_range == "zero_one":
+        return z.float().clamp(0, 1)
+    if pixel_range == "minus_one_one":
+        return (z.float() / 2 + 0.5).clamp(0, 1)
+    raise ValueError(f"pixel_range must be 'zero_one' or 'minus_one_one', got {pixel_range!r}")
+
+
+DECODERS: dict[str, Callable[[Any, Tensor, PixelRange], Tensor]] = {
+    "kl": _decode_kl,
+    "wan": _decode_wan,
+    "pixel": _decode_pixel,
+}
+
+
+def decoder_of(vae: Any) -> str:
+    """The DECODERS key for a VAE instance (None: "pixel")."""
+    if vae is None:
+        return "pixel"
+    name = type(vae).__name__
+    if name == "AutoencoderKLWan":
+        return "wan"
+    if name == "AutoencoderKL":
+        return "kl"
+    raise ValueError(
+        f"no decoder for a VAE of class {name}; supported: AutoencoderKL, AutoencoderKLWan or None "
+        "(pixel-space model)"
+    )
+
+
+def vae_scale(vae: Any) -> tuple[int, int]:
+    """(spatial, temporal) down-sampling factors of a VAE (1, 1 for pixel space)."""
+    if vae is None:
+        return 1, 1
+    if type(vae).__name__ == "AutoencoderKLWan":
+        return 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+    return 2 ** (len(vae.config.block_out_channels) - 1), 1
