@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ class Config(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset_sections(cls, data: Any) -> Any:
-        """Preset settings for other sections ("rollout.group_size") fill fields left unset."""
+        """Preset settings for other sections ("rollout.group_size") fill fields left unset; a
+        mapping ("model.lora") fills the keys missing from the user's mapping (null stays null)."""
         if not isinstance(data, dict):
             return data
         algo = data.get("algorithm") or {}
@@ -71,7 +73,12 @@ class Config(_Section):
         for key, value in preset_settings(algo.get("preset", "grpo"), sections=True).items():
             section, field = key.split(".", 1)
             current = data.get(section) or {}
-            if isinstance(current, dict) and field not in current:
+            if not isinstance(current, dict):
+                continue
+            mine = current.get(field, {})
+            if isinstance(value, Mapping) and isinstance(mine, dict):
+                data[section] = {**current, field: {**value, **mine}}
+            elif field not in current:
                 data[section] = {**current, field: value}
         return data
 

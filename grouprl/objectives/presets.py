@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from grouprl.objectives.flow_presets import FLOW_PRESETS
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -314,6 +316,9 @@ PRESETS: dict[str, Preset] = {
         ),
     ]
 }
+
+# image / video presets (flow_grpo, dance_grpo, ddpo, diffusion_nft ...), documented in flow_presets.py
+PRESETS.update({spec["name"]: Preset(**spec) for spec in FLOW_PRESETS})
 
 
 def preset_settings(name: str, *, sections: bool = False) -> dict[str, object]:

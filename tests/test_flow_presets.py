@@ -1,0 +1,150 @@
+"""Image / video presets: registered with the text ones, resolve into valid configs, set what they claim."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import pytest
+import yaml
+
+from grouprl.config import load_config, validate
+from grouprl.objectives.flow_objectives import LIKELIHOOD_FREE
+from grouprl.objectives.flow_presets import FLOW_PRESETS
+from grouprl.objectives.presets import PRESETS, Preset, preset_settings
+from grouprl.policies.samplers import SAMPLERS
+
+FLOW = ["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "ddpo", "diffusion_nft", "awm"]
+MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
+
+
+def resolve(name: str, **sections) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no preset may trip a combination warning
+        return validate({**MINIMAL, **sections, "algorithm": {"preset": name}})
+
+
+def test_flow_presets_are_registered_after_the_text_ones():
+    assert [s["name"] for s in FLOW_PRESETS] == FLOW
+    assert list(PRESETS)[-len(FLOW) :] == FLOW
+    assert all(isinstance(PRESETS[n], Preset) for n in FLOW)
+    assert len(set(PRESETS)) == len(PRESETS)
+
+
+@pytest.mark.parametrize("name", FLOW)
+def test_every_setting_lands_in_the_resolved_config(name):
+    preset = PRESETS[name]
+    assert preset.arxiv.count(".") == 1 and preset.summary.endswith(".")
+    cfg = resolve(name)
+    assert "advantage" in preset_settings(name)
+    for key, value in preset_settings(name).items():
+        assert getattr(cfg.algorithm, key) == value, (name, key)
+    for key, value in preset_settings(name, sections=True).items():
+        section, field = key.split(".")
+        got = getattr(getattr(cfg, section), field)
+        if isinstance(value, Mapping):  # model.lora: every key of the mapping
+            for sub, want in value.items():
+                want = list(want) if isinstance(want, tuple) else want
+                assert getattr(got, sub) == want, (name, key, sub)
+        else:
+            assert got == value, (name, key)
+    assert cfg.diffusion.sampler in SAMPLERS
+
+
+def test_flow_grpo_has_the_paper_defaults():
+    cfg = resolve("flow_grpo")
+    a, d = cfg.algorithm, cfg.diffusion
+    assert (a.eps_low, a.eps_high, a.kl_coef, a.surrogate, a.scale) == (
+        1e-4,
+        1e-4,
+        0.04,
+        "clip",
+        "batch",
+    )
+    assert (d.sampler, d.noise_level, d.rollout_steps, d.eval_steps) == ("flow_sde", 0.7, 10, 40)
+    assert (d.adv_clip_max, d.train_steps, d.guidance_scale) == (5.0, "all_but_last", 4.5)
+    assert (cfg.model.lora.r, cfg.model.lora.alpha) == (32, 64)
+    assert "attn.to_q" in cfg.model.lora.target_modules and cfg.rollout.group_size == 24
+
+
+def test_the_siblings_differ_where_their_papers_do():
+    fast, dance, mix = resolve("flow_grpo_fast"), resolve("dance_grpo"), resolve("mix_grpo")
+    assert (fast.diffusion.train_steps, fast.diffusion.window_size) == ("random_window", 2)
+    assert fast.algorithm.eps_high == 1e-5 and fast.algorithm.kl_coef == 0.0
+    d = dance.diffusion
+    assert (d.sampler, d.eta, d.rollout_steps, d.train_fraction) == ("dance_sde", 0.3, 16, 0.6)
+    assert (d.train_steps, d.shared_noise, d.shift) == ("random_fraction", "group", 3.0)
+    assert (dance.algorithm.scale, dance.algorithm.adv_eps, dance.rollout.group_size) == (
+        "group",
+        1e-8,
+        12,
+    )
+    m = mix.diffusion
+    assert (m.train_steps, m.window_size, m.window_shift_every, m.rollout_steps) == (
+        "sliding_window", 4, 25, 25
+    )  # fmt: skip
+    ddpo = resolve("ddpo")
+    assert (ddpo.diffusion.sampler, ddpo.diffusion.eta, ddpo.diffusion.rollout_steps) == (
+        "ddim",
+        1.0,
+        50,
+    )
+    assert (ddpo.diffusion.adv_clip_max, ddpo.diffusion.guidance_scale) == (10.0, 5.0)
+    assert ddpo.model.lora.target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def test_likelihood_free_presets_pick_their_objective_and_an_ode_sampler():
+    nft, awm = resolve("diffusion_nft"), resolve("awm")
+    for cfg, objective in ((nft, "diffusion_nft"), (awm, "awm")):
+        assert cfg.diffusion.objective == objective and objective in LIKELIHOOD_FREE
+        assert (cfg.diffusion.sampler, cfg.diffusion.guidance_scale) == ("ode", 1.0)
+        assert cfg.diffusion.train_guidance == "none" and cfg.algorithm.scale == "batch"
+    assert (nft.algorithm.kl_coef, nft.diffusion.nft_beta, nft.diffusion.ema_decay) == (
+        1e-4,
+        1.0,
+        "nft_ramp",
+    )
+    d = awm.diffusion
+    assert (awm.algorithm.kl_coef, d.rollout_steps, d.lf_timesteps, d.lf_timestep_fraction) == (
+        0.001, 14, 6, 0.9
+    )  # fmt: skip
+    assert (d.awm_weighting, d.awm_ema_coef, d.ema_decay) == ("ghuber", 1.0, "awm_ramp")
+
+
+def test_the_users_values_win_and_a_partial_lora_mapping_is_completed():
+    cfg = resolve(
+        "flow_grpo",
+        diffusion={"noise_level": 0.9, "guidance_scale": 1.0},
+        rollout={"group_size": 4},
+        model={"name_or_path": "x", "lora": {"r": 8}},
+    )
+    assert (cfg.diffusion.noise_level, cfg.diffusion.guidance_scale) == (0.9, 1.0)
+    assert cfg.diffusion.rollout_steps == 10 and cfg.rollout.group_size == 4
+    assert (cfg.model.lora.r, cfg.model.lora.alpha) == (8, 64)  # the rest from the preset
+    assert "attn.to_q" in cfg.model.lora.target_modules
+    full = resolve("flow_grpo", model={"name_or_path": "x", "lora": None})
+    assert full.model.lora is None  # null = full fine-tuning, not overridden
+
+
+def test_a_text_preset_leaves_the_diffusion_section_alone():
+    assert resolve("grpo").diffusion == resolve("dapo").diffusion
+    assert resolve("grpo").model.lora is None
+
+
+def test_preset_values_are_read_only():
+    lora = PRESETS["flow_grpo"].settings["model.lora"]
+    with pytest.raises(TypeError):
+        lora["r"] = 4  # type: ignore[index]
+    with pytest.raises(TypeError):
+        PRESETS["flow_grpo"].settings["eps_low"] = 0.2  # type: ignore[index]
+
+
+def test_yaml_and_overrides_with_a_flow_preset(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "algorithm": {"preset": "dance_grpo"}}))
+    cfg = load_config(path, ["diffusion.eta=0.25", "diffusion.height=32", "diffusion.width=32"])
+    assert (cfg.diffusion.eta, cfg.diffusion.height, cfg.diffusion.sampler) == (
+        0.25,
+        32,
+        "dance_sde",
+    )
