@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from grouprl.env_isolation import EnvGuard
 from grouprl.envs.gym import make_text_env
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
 from grouprl.rollouts.engines.base import SamplingParams
@@ -37,12 +38,16 @@ def collect(
     env_ids = {(ex["env_id"], repr(ex.get("env_kwargs"))) for ex in examples}
     if len(env_ids) != 1:
         raise ValueError(f"one batch must use one environment, got {sorted(env_ids)}")
-    return collect_episodes(
-        policy, _make_env(examples[0]), [ex["seed"] for ex in examples], group_size, params,
-        max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
+    # a step that raises (or misses agent.env_step_timeout_s) ends its episode with an error
+    guard = EnvGuard(ag.env_step_timeout_s, fail_fast=cfg.run.fail_fast)
+    rollout = collect_episodes(
+        policy, guard.wrap(_make_env(examples[0])), [ex["seed"] for ex in examples], group_size,
+        params, max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
         max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
         first_group_id=first_group_id, greedy=greedy,
     )  # fmt: skip
+    rollout.info["env_error"] = guard.errors()  # envs are made in episode order
+    return rollout
 
 
 def keep_informative(cfg: Any, rollout: Rollout) -> Rollout:
@@ -73,6 +78,7 @@ def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, floa
         f"{prefix}/return": float(rollout.rewards["return"].mean()),
         f"{prefix}/turns": sum(info["turns"]) / n,
         f"{prefix}/invalid_actions": sum(info["invalid_actions"]) / n,
+        "env_errors": float(sum(e is not None for e in info.get("env_error", []))),
     }
 
 
