@@ -15,7 +15,7 @@ MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
 
 
 def test_preset_names():
-    assert list(PRESETS) == EXPECTED
+    assert list(PRESETS)[: len(EXPECTED)] == EXPECTED  # the flow presets follow (test_flow_presets)
     assert all(isinstance(p, Preset) and p.name == key for key, p in PRESETS.items())
 
 
