@@ -9,7 +9,7 @@ Public API (everything a loop or a user touches):
              prompt_encoder=None, lora=None, sampler="flow_sde", noise_level=0.7,
              rollout_steps=10, eval_steps=40, guidance_scale=1.0, embedded_guidance=3.5,
              train_cfg="same", steps=None, initial_noise="independent", kl_form="flow_grpo",
-             pixel_range="zero_one")
+             pixel_range="zero_one", sigma_spacing=None)
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
@@ -116,6 +116,7 @@ class FlowPolicy:
         initial_noise: Literal["independent", "shared"] = "independent",
         kl_form: KLForm = "flow_grpo",
         pixel_range: Literal["zero_one", "minus_one_one"] = "zero_one",
+        sigma_spacing: Literal["scheduler", "linear"] | None = None,
     ) -> None:
         self.family = family_of(model, family)
         if sampler not in self.sampler_names:
@@ -150,6 +151,7 @@ class FlowPolicy:
             else StepSelectionSettings(**(steps or {}))
         )
         self.initial_noise = initial_noise
+        self.sigma_spacing = sigma_spacing or self.family.sigma_spacing
         if vae is not None:
             vae.requires_grad_(False).eval()
 
@@ -161,7 +163,7 @@ class FlowPolicy:
         if self.family.name == "flux":
             seq = (self.latent_shape[-2] // 2) * (self.latent_shape[-1] // 2)
         sigmas = flow_sigmas(self.scheduler_config, num_steps, image_seq_len=seq,
-                             spacing=self.family.sigma_spacing)  # fmt: skip  # [K+1]
+                             spacing=self.sigma_spacing)  # fmt: skip  # [K+1]
         scale = self.scheduler_config.get("num_train_timesteps", 1000)
         return {"sigmas": sigmas, "timesteps": sigmas * scale, "alphas": None}
 

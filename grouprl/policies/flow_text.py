@@ -99,7 +99,7 @@ class PromptEncoder:
         if family == "unet":
             skip.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         try:
-            pipe = pipe_cls.from_pretrained(name_or_path, torch_dtype=dtype, **skip)
+            pipe = pipe_cls.from_pretrained(name_or_path, dtype=dtype, **skip)
         except (OSError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
