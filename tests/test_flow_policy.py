@@ -205,6 +205,31 @@ def test_full_finetuning_reference_is_a_lazy_frozen_copy():
     assert bool((kl[r.mask] > 0).all())
 
 
+def test_scoring_a_subset_of_steps_and_batch_records():
+    pol = _sd3(guidance_scale=2.0)
+    r = pol.sample(_sd3_cond(), 2, generator=_gen())
+    full = pol.log_probs(r.actions).logp.detach()
+    part = pol.log_probs(r.actions, steps=[1]).logp.detach()
+    assert torch.equal(part[:, 1], full[:, 1]) and not part[:, [0, 2, 3]].any()
+    b = r.actions
+    assert b.lengths.tolist() == [3] * 4 and not b.truncated.any()
+    other = pol.sample(_sd3_cond(), 1, generator=_gen(9)).actions
+    both = type(b).cat([b, other])
+    assert len(both) == 6 and torch.equal(both.latents[4:], other.latents)
+    assert torch.equal(
+        both.cond.negative["prompt_embeds"][5], other.cond.negative["prompt_embeds"][1]
+    )
+    assert torch.equal(pol.log_probs(both).logp.detach()[4:], pol.log_probs(other).logp.detach())
+    with pytest.raises(ValueError, match="number of steps"):
+        type(b).cat([b, pol.sample(_sd3_cond(), 1, steps=2, generator=_gen()).actions])
+    with pytest.raises(ValueError, match="first"):
+        FlowCondition(
+            {"prompt_embeds": torch.zeros(2, 3, 4), "pooled_prompt_embeds": torch.zeros(3, 4)}
+        )
+    with pytest.raises(ValueError, match="negative keys"):
+        FlowCondition({"prompt_embeds": torch.zeros(2, 3, 4)}, {"other": torch.zeros(1, 3, 4)})
+
+
 # ---- step selection, shared noise, denoising reduction, CFG at training -----------------------
 
 

@@ -155,7 +155,7 @@ class FlowPolicy:
         if vae is not None:
             vae.requires_grad_(False).eval()
 
-    # ---- schedule and one step (the DDIM policy overrides these two and _timesteps_scale) ----------
+    # ---- schedule, one step, KL variance (the DDIM policy overrides these three) ---------------
 
     def _schedule(self, num_steps: int) -> dict[str, Tensor]:
         """Per-slot values [K+1]: sigmas and the network's timesteps (sigma * num_train_timesteps)."""
@@ -202,8 +202,10 @@ class FlowPolicy:
 
     def _predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
         emb = torch.full_like(gscale, self.embedded_guidance)  # [B] FLUX guidance embedding
-        return predict(self.family, model, x, sigma=cols["sigmas"][:, k], timestep=cols["timesteps"][:, k],
-                       cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb)  # fmt: skip
+        return predict(
+            self.family, model, x, sigma=cols["sigmas"][:, k], timestep=cols["timesteps"][:, k],
+            cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb,
+        )  # fmt: skip  # [B, *latent] float32
 
     @torch.no_grad()
     def sample(

@@ -120,6 +120,14 @@ class FlowBatch:
     def final(self) -> Tensor:  # Float[N, *latent] the clean latents
         return self.latents[:, -1]
 
+    @property
+    def lengths(self) -> Tensor:  # Long[N] trained steps per sample (the text batch's "length")
+        return self.train_mask.sum(-1)
+
+    @property
+    def truncated(self) -> Tensor:  # Bool[N] all False (a trajectory always runs its K steps)
+        return torch.zeros(len(self), dtype=torch.bool, device=self.latents.device)
+
     def to(self, device: torch.device | str) -> FlowBatch:
         moved = {
             f.name: getattr(self, f.name).to(device)
