@@ -434,6 +434,8 @@ def test_prompt_encoder_matches_the_pipeline_and_caches(tmp_path):
 def test_errors_name_the_option():
     with pytest.raises(ValueError, match="sampler must be one of"):
         _sd3(sampler="ddim")
+    ode = _sd3(sampler="ode").sample(_sd3_cond(), 2, generator=_gen())  # likelihood-free rollouts
+    assert not ode.mask.any() and not ode.old_logp.any() and not ode.actions.stochastic.any()
     with pytest.raises(ValueError, match="does not fit family"):
         _sd3(latent_shape=(4, 8))
     with pytest.raises(ValueError, match="train_cfg"):

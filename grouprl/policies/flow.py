@@ -93,7 +93,7 @@ class _Scorer:
 class FlowPolicy:
     """Samples groups of denoising trajectories and scores their per-step log-probs (module doc)."""
 
-    sampler_names = ("flow_sde", "dance_sde", "cps")
+    sampler_names = ("flow_sde", "dance_sde", "cps", "ode")
 
     def __init__(
         self,
@@ -226,6 +226,7 @@ class FlowPolicy:
 
         mode "rollout": rollout_steps (or `steps`), step selection decides stochastic / trained
         steps. mode "eval": eval_steps, every step deterministic, nothing trained (mask all False).
+        Sampler "ode" (DiffusionNFT / AWM rollouts): deterministic steps, mask all False.
         """
         _check_choice("mode", mode, ("rollout", "eval"))
         prompts = cond if isinstance(cond, list) else None
@@ -248,7 +249,7 @@ class FlowPolicy:
             k: v.to(dev)[None].expand(n, -1).contiguous() for k, v in sched.items() if v is not None
         }
         seed = int(torch.randint(2**62, (1,), generator=generator, device=_gen_device(generator)))
-        if mode == "rollout":
+        if mode == "rollout" and self.sampler != "ode":
             sel = select_steps(self.steps, k_steps, gids, generator=torch.Generator().manual_seed(seed),
                                optimizer_step=optimizer_step)  # fmt: skip
             train, stochastic = sel.train.to(dev), sel.stochastic.to(dev)  # [N, K] each
