@@ -57,8 +57,19 @@ def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
         logprob_chunk_size=m.logprob_chunk_size,
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
+        engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
     )
     return policy.to(device)
+
+
+def _vllm_engine(cfg: Config, device: torch.device):
+    from grouprl.rollouts.engines.vllm_setup import engine_from_config  # imports vllm: lazily
+
+    return engine_from_config(cfg, device)
+
+
+# rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model
+TEXT_ENGINES = {"hf": lambda cfg, device: None, "vllm": _vllm_engine}
 
 
 def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:

@@ -84,8 +84,31 @@ class RewardConfig(_Section):
     workers: int = Field(1, ge=1, description="With timeout_s: samples scored in parallel.")
 
 
+class VLLMConfig(_Section):
+    """rollout.engine 'vllm': the in-process vllm.LLM (see grouprl/rollouts/engines/vllm.py)."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of GPU memory vLLM takes (weights + KV cache)."
+    )
+    cpu_kvcache_gb: int = Field(1, ge=1, description="CPU builds: KV-cache GiB.")
+    prefix_caching: Literal["on", "off"] = Field("on", description="Share cached prompt blocks.")
+    enforce_eager: bool = Field(
+        True, description="No torch.compile / CUDA graphs (fast start; False: faster GPU decode)."
+    )
+    sleep: Literal["off", "level1", "level2"] = Field(
+        "off",
+        description="GPU only: sleep between rollouts to free memory for training "
+        "(level1 offloads weights to CPU, level2 drops them; both drop the KV cache).",
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Context limit (None: model's).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences per batch (None: vLLM's).")
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Generation backend.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation backend: hf (transformers generate) or vllm (in-process)."
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")

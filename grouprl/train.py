@@ -231,10 +231,10 @@ def train(cfg: Config) -> dict[str, Any]:
     params = sampling_params(cfg)
     ckpts = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
 
-    step, before, nonfinite_streak = 0, None, 0
+    step, before, after, nonfinite_streak = 0, None, None, 0
     latest = ckpts.latest(verify=True) if cfg.run.resume else None  # checksums: skip damaged
     if latest is not None:
-        step, before = resume_from(latest, policy, optimizer, scheduler, sampler)
+        step, before, after = resume_from(latest, policy, optimizer, scheduler, sampler)
     logger = RunLogger(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
         run_name=cfg.run.name, config=cfg.model_dump(mode="json"), start_step=step,
@@ -268,7 +268,7 @@ def train(cfg: Config) -> dict[str, Any]:
             before = run_eval(0)
         while step < cfg.train.steps:
             rollout, metrics = rollout_step(cfg, policy, sampler, reward_fns, weights, params, step)
-            step += 1
+            step, after = step + 1, None  # a step ran: the final evaluation is due (again)
             if rollout is not None:
                 metrics.update(prepare(cfg, policy, rollout, weights))
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
@@ -283,10 +283,13 @@ def train(cfg: Config) -> dict[str, Any]:
             nonfinite_streak = check_nonfinite_streak(cfg, logger, step, metrics, nonfinite_streak)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 run_eval(step)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before)
-        after = run_eval(step)
-        save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before)
+        # the last step's checkpoint is written once, after the final evaluation, holding its
+        # result: a crash in between redoes the last step; a finished run resumed does nothing
+        if after is None:
+            after = run_eval(step)
+            save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after)
         plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
             "accuracy_key": "success" if is_agent(cfg) else accuracy_key(reward_fns)}  # fmt: skip

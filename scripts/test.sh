@@ -6,5 +6,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check grouprl tests scripts
 .venv/bin/ruff format --check grouprl tests scripts
-if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+if [ "$#" -eq 0 ]; then
+  # The in-process vLLM engine leaves process-wide state behind (a torch.distributed group, env
+  # variables), so the vllm-marked tests run in a pytest process of their own, after the rest.
+  status=0
+  .venv/bin/python -m pytest -q -m "not slow and not vllm" || status=$?
+  .venv/bin/python -m pytest -q -m "vllm and not slow" tests/test_vllm_engine.py || status=$?
+  exit "$status"
+fi
 exec .venv/bin/python -m pytest -q "$@"
