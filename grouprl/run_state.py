@@ -27,13 +27,15 @@ def claim_run_dir(cfg: Config) -> None:
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
-def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before) -> None:
+def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after=None) -> None:
+    """Checkpoint `step`; `after` (the final evaluation) only in a finished run's last one."""
     state = {
         "step": step,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "sampler": sampler.state_dict(),
         "eval_before": before,
+        "eval_after": after,
         # LoRA adapters are small and not recoverable from the merged save: keep them here too
         "adapter": policy.state_dict() if policy.lora is not None else None,
     }
@@ -56,7 +58,10 @@ def _optimizer_tensors(optimizer) -> list[tuple[str, Any]]:
     ]
 
 
-def resume_from(path: Path, policy, optimizer, scheduler, sampler) -> tuple[int, dict | None]:
+def resume_from(
+    path: Path, policy, optimizer, scheduler, sampler
+) -> tuple[int, dict | None, dict | None]:
+    """Load checkpoint `path` into the objects; returns (step, eval before, eval after or None)."""
     state = CheckpointManager.load(path)
     if state.get("adapter") is not None:
         policy.load_state_dict(state["adapter"])
@@ -66,4 +71,4 @@ def resume_from(path: Path, policy, optimizer, scheduler, sampler) -> tuple[int,
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     restore_rng(state)
-    return int(state["step"]), state.get("eval_before")
+    return int(state["step"]), state.get("eval_before"), state.get("eval_after")
