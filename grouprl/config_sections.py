@@ -44,8 +44,17 @@ class LoRAConfig(_Section):
 
 
 class ModelConfig(_Section):
-    type: Literal["causal_lm"] = Field("causal_lm", description="Policy kind.")
-    name_or_path: str = Field(..., description="Hub id or local save_pretrained folder.")
+    type: Literal["causal_lm", "flow", "unet"] = Field(
+        "causal_lm",
+        description="Policy kind: causal_lm (text), flow (a diffusers flow transformer pipeline: "
+        "SD3 / FLUX / Wan, or a user velocity module), unet (SD 1.x UNet with DDIM, DDPO).",
+    )
+    name_or_path: str = Field(
+        ...,
+        description="Hub id or local save_pretrained folder (flow / unet: a diffusers pipeline "
+        "folder or hub id; or a user velocity module class 'package.module:Class' / "
+        "'file.py:Class').",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype."
     )
@@ -54,7 +63,36 @@ class ModelConfig(_Section):
     logprob_chunk_size: int | None = Field(
         None, ge=1, description="Rows per LM-head chunk when scoring (None: policy default)."
     )
+    logprob_path: Literal["fast", "plain"] = Field(
+        "fast",
+        description="Scoring: fast (each group's prompt once, fused LM head over the real "
+        "completion tokens) or plain (one [prompt | completion] pass); same numbers.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    # ---- flow / unet only (image and video policies; grouprl/build_flow.py) ----
+    weights: str | None = Field(
+        None,
+        description="User velocity module: folder of its weights (Class.from_pretrained(folder), or "
+        "its *.safetensors loaded into Class(**module_options)); None: fresh weights.",
+    )
+    module_options: dict[str, Any] = Field(
+        default_factory=dict, description="User velocity module: constructor keyword arguments."
+    )
+    condition: Literal["prompt", "class_label"] = Field(
+        "prompt",
+        description="prompt: text embeddings of the example's prompt (cached); class_label: the "
+        "example's class_label column (class-conditional user modules).",
+    )
+    null_label: int | None = Field(
+        None, ge=0, description="class_label: the model's 'no class' id (needed for CFG)."
+    )
+    pixel_range: Literal["zero_one", "minus_one_one"] = Field(
+        "minus_one_one", description="A model without VAE works in pixels of this range."
+    )
+    negative_prompt: str = Field("", description="Unconditional prompt of classifier-free guidance.")
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="T5 prompt length (None: the pipeline's default)."
+    )
 
 
 class TaskConfig(_Section):
@@ -105,8 +143,10 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation backend: hf (transformers generate) or vllm (in-process)."
+    engine: Literal["hf", "fast", "vllm"] = Field(
+        "hf",
+        description="Generation backend: hf (transformers generate), fast (grouprl's decode loop "
+        "on the same model: prompt prefilled once per group, same distribution) or vllm.",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
@@ -116,6 +156,12 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     max_new_tokens: int = Field(64, ge=1, description="Longest completion (L_max).")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    seeding: Literal["global", "per_sample"] = Field(
+        "global",
+        description="global: torch's RNG; per_sample: each completion samples from its own "
+        "generator seeded by (run.seed, group id, index), so samples do not depend on the process "
+        "count, the batch split or other RNG use (multi-process and async runs reproduce).",
+    )
     old_logp: Literal["recompute", "engine"] = Field(
         "recompute",
         description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
@@ -231,6 +277,13 @@ class AgentConfig(_Section):
     keep_top_groups: float = Field(
         1.0, gt=0, le=1, description="StarPO-S: train only this fraction of groups, by reward std."
     )
+    env_execution: Literal["sequential", "threads", "processes"] = Field(
+        "sequential",
+        description="How the live episodes' env steps run each turn: one after another, in a "
+        "thread pool (envs that wait: sandboxed tools, remote sims), or each env in its own "
+        "process driven by the pool (CPU-bound envs). See grouprl/envs/vector.py.",
+    )
+    env_workers: int = Field(8, ge=1, description="Threads of the threads / processes modes.")
     env_step_timeout_s: float | None = Field(
         None,
         gt=0,
@@ -251,6 +304,19 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward (gradient accumulation)."
+    )
+    async_mode: Literal["off", "one_step_off"] = Field(
+        "off",
+        description="one_step_off: a background thread samples step k+1 with a snapshot of the "
+        "weights while step k updates (grouprl/async_rollout.py); old_logp is the sampling "
+        "weights' score.",
+    )
+    async_staleness: int = Field(
+        1,
+        ge=0,
+        le=1,
+        description="one_step_off: steps the sampling weights may lag (1: generation overlaps the "
+        "update; 0: no overlap, the synchronous loop's samples, for checks).",
     )
     max_nonfinite_steps: int = Field(
         3,

@@ -5,7 +5,8 @@
 
 - without a timeout the env lives in this process; a step() that raises ends the episode;
 - with `timeout_s` (config agent.env_step_timeout_s) the env, made here, is served by its own
-  forked process, and a reset / step / attribute read that misses the deadline gets that process
+  forked process (also without a deadline when `own_process`: agent.env_execution "processes",
+  envs/vector.py), and a reset / step / attribute read that misses the deadline gets that process
   SIGKILLed (the copy left in this process is never used again).
 
 A failed step returns (observation "[environment error: ...]", reward 0.0, terminated False,
@@ -111,9 +112,15 @@ class _EnvProcess:
 class GuardedEnv:
     """A text env whose step failures end the episode (see the module docstring)."""
 
-    def __init__(self, make_env: Callable[[], Any], timeout_s: float | None, fail_fast: bool):
+    def __init__(
+        self,
+        make_env: Callable[[], Any],
+        timeout_s: float | None,
+        fail_fast: bool,
+        own_process: bool = False,
+    ):
         self.fail_fast, self.error, self._last_obs = fail_fast, None, ""
-        if timeout_s is None:
+        if timeout_s is None and not own_process:
             self._env, self._remote = make_env(), None
         else:
             self._env, self._remote = None, _EnvProcess(make_env(), timeout_s)
@@ -178,15 +185,18 @@ class GuardedEnv:
 class EnvGuard:
     """Makes GuardedEnvs for one batch and remembers them, in order, for `errors()`."""
 
-    def __init__(self, timeout_s: float | None = None, fail_fast: bool = False) -> None:
+    def __init__(
+        self, timeout_s: float | None = None, fail_fast: bool = False, own_process: bool = False
+    ) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"env step timeout_s must be > 0 or None, got {timeout_s!r}")
-        self.timeout_s, self.fail_fast = timeout_s, fail_fast
+        self.timeout_s, self.fail_fast, self.own_process = timeout_s, fail_fast, own_process
         self.envs: list[GuardedEnv] = []
 
     def wrap(self, make_env: Callable[[], Any]) -> Callable[[], GuardedEnv]:
         def make() -> GuardedEnv:
-            self.envs.append(GuardedEnv(make_env, self.timeout_s, self.fail_fast))
+            env = GuardedEnv(make_env, self.timeout_s, self.fail_fast, self.own_process)
+            self.envs.append(env)
             return self.envs[-1]
 
         return make

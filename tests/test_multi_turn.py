@@ -215,11 +215,16 @@ def test_group_starts_identical_and_prompt_layout():
 
 
 def test_group_with_different_starts_fails_and_closes_envs():
-    made = []
+    made, resets = [], []
 
     def make():
         env = CounterEnv()
-        env.reset = lambda seed=None, options=None: (f"n={len(made)}", {})
+
+        def reset(seed=None, options=None):  # every reset starts somewhere else
+            resets.append(seed)
+            return f"n={len(resets)}", {}
+
+        env.reset = reset
         made.append(env)
         return env
 

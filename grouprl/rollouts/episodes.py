@@ -13,6 +13,7 @@ import torch
 
 from grouprl.env_isolation import EnvGuard
 from grouprl.envs.gym import make_text_env
+from grouprl.envs.vector import VectorRunner
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
@@ -39,13 +40,15 @@ def collect(
     if len(env_ids) != 1:
         raise ValueError(f"one batch must use one environment, got {sorted(env_ids)}")
     # a step that raises (or misses agent.env_step_timeout_s) ends its episode with an error
-    guard = EnvGuard(ag.env_step_timeout_s, fail_fast=cfg.run.fail_fast)
-    rollout = collect_episodes(
-        policy, guard.wrap(_make_env(examples[0])), [ex["seed"] for ex in examples], group_size,
-        params, max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
-        max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
-        first_group_id=first_group_id, greedy=greedy,
-    )  # fmt: skip
+    runner = VectorRunner(ag.env_execution, ag.env_workers)  # how the env steps of a turn run
+    guard = EnvGuard(ag.env_step_timeout_s, cfg.run.fail_fast, own_process=runner.own_process)
+    with runner:
+        rollout = collect_episodes(
+            policy, guard.wrap(_make_env(examples[0])), [ex["seed"] for ex in examples],
+            group_size, params, max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
+            max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
+            first_group_id=first_group_id, greedy=greedy, runner=runner,
+        )  # fmt: skip
     rollout.info["env_error"] = guard.errors()  # envs are made in episode order
     return rollout
 

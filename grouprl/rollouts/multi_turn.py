@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from grouprl.envs.vector import VectorRunner
 from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     _delta_pieces,
     _render,
@@ -124,9 +125,11 @@ def collect_episodes(
     invalid_penalty: float = 0.1,
     first_group_id: int = 0,
     greedy: bool = False,
+    runner: VectorRunner | None = None,
 ) -> Rollout:
     """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
-    batched generation over all live episodes each turn.
+    batched generation over all live episodes each turn, and their env resets / steps run
+    together by `runner` (envs/vector.py; default: sequential in this process).
 
     Returns a Rollout: actions = TokenBatch (prompt = system + first observation with the
     generation prompt; completion = assistant turns and observation deltas), mask / step_ids
@@ -146,10 +149,16 @@ def collect_episodes(
         raise ValueError(f"invalid_penalty must be finite and >= 0, got {invalid_penalty}")
     tok, turn_params = policy.tokenizer, replace(params, max_new_tokens=turn_budget)
     limit = max_total_tokens if max_total_tokens is not None else math.inf
+    runner = runner if runner is not None else VectorRunner("sequential")
     episodes: list[_Episode] = []
     try:
-        for g, seed in enumerate(seeds):
-            _start_group(policy, make_env, seed, first_group_id + g, group_size, episodes)
+        for g, seed in enumerate(seeds):  # appended as made, so `finally` closes every env made
+            for _ in range(group_size):
+                episodes.append(_Episode(make_env(), first_group_id + g, seed, [], [], None))
+        starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
+        for g in range(len(seeds)):
+            members = slice(g * group_size, (g + 1) * group_size)
+            _start_group(policy, episodes[members], starts[members])
         for e in episodes:
             if len(e) + turn_budget > limit:
                 raise ValueError(
@@ -163,10 +172,18 @@ def collect_episodes(
             out = policy.engine.generate(
                 [e.prompt + e.ids for e in live], turn_params, greedy=greedy
             )
+            texts = []
             for e, ids, lps, cut in zip(live, out.completion_ids, out.logprobs, out.truncated):
                 if not ids:
                     raise RuntimeError(f"the engine returned an empty turn (seed {e.seed})")
-                _play_turn(e, tok, turn, ids, lps, cut, invalid_penalty)
+                e.extend(list(ids), list(lps), turn)
+                e.cut_turns += int(cut)
+                texts.append(tok.decode(ids, skip_special_tokens=True))
+            results = runner.step([e.env for e in live], texts)  # all live envs at once
+            for e, ids, cut, text, result in zip(
+                live, out.completion_ids, out.truncated, texts, results
+            ):
+                _record_turn(e, turn, text, result, cut, invalid_penalty)
                 if e.end:
                     continue
                 if turn + 1 == max_turns:
@@ -184,50 +201,29 @@ def collect_episodes(
     return _assemble(episodes, tok, max_turns)
 
 
-def _start_group(
-    policy: Any,
-    make_env: Callable[[], Any],
-    seed: int,
-    group: int,
-    group_size: int,
-    episodes: list[_Episode],
-) -> None:
-    """Reset `group_size` fresh envs with `seed` and append their episodes to `episodes` (so the
-    caller closes every env made, even on failure); fail if they do not share one start state."""
-    members: list[_Episode] = []
-    for _ in range(group_size):
-        env = make_env()
-        e = _Episode(env, group, seed, [], [], None)
-        episodes.append(e)
-        obs, info = env.reset(seed=seed)
+def _start_group(policy: Any, members: list[_Episode], starts: list[tuple]) -> None:
+    """Fill one group's episodes from their envs' (obs, info) after reset; fail if they do not
+    share one start state."""
+    for e, (obs, info) in zip(members, starts):
         e.anchor = _anchor(info, obs)
-        e.messages = first_messages(policy.tokenizer, _env_attr(env, "system_prompt", ""), obs)
-        members.append(e)
+        e.messages = first_messages(policy.tokenizer, _env_attr(e.env, "system_prompt", ""), obs)
         if (e.messages, e.anchor) != (members[0].messages, members[0].anchor):
             raise ValueError(
-                f"envs reset with seed {seed} start in different states; group-relative "
+                f"envs reset with seed {e.seed} start in different states; group-relative "
                 "advantages need every episode of a group to share its start"
             )
-        e.log.append(f"### Episode (group {group}, seed {seed})\n")
+        e.log.append(f"### Episode (group {e.group}, seed {e.seed})\n")
         e.log += [f"**{m['role']}**\n\n{_fence(m['content'])}\n" for m in e.messages]
     prompt = policy.encode_prompts([members[0].messages])[0]
     for e in members:
         e.prompt = list(prompt)
 
 
-def _play_turn(
-    e: _Episode,
-    tok: Any,
-    turn: int,
-    ids: list[int],
-    lps: list[float],
-    cut: bool,
-    invalid_penalty: float,
+def _record_turn(
+    e: _Episode, turn: int, text: str, result: tuple, cut: bool, invalid_penalty: float
 ) -> None:
-    """Record one sampled turn, step the env with its text, record reward, anchor and ending."""
-    e.extend(list(ids), list(lps), turn)
-    text = tok.decode(ids, skip_special_tokens=True)
-    obs, reward, terminated, truncated, info = e.env.step(text)
+    """Record the env's answer to one turn's text: reward, anchor, messages, log and ending."""
+    obs, reward, terminated, truncated, info = result
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"env returned a non-finite reward {reward} (seed {e.seed}, turn {turn})")
@@ -235,7 +231,6 @@ def _play_turn(
     if not valid:
         reward -= invalid_penalty
         e.invalid += 1
-    e.cut_turns += int(cut)
     e.rewards.append(reward)
     e.anchors.append(e.anchor)
     e.anchor = _anchor(info, obs)
