@@ -89,7 +89,9 @@ class ModelConfig(_Section):
     pixel_range: Literal["zero_one", "minus_one_one"] = Field(
         "minus_one_one", description="A model without VAE works in pixels of this range."
     )
-    negative_prompt: str = Field("", description="Unconditional prompt of classifier-free guidance.")
+    negative_prompt: str = Field(
+        "", description="Unconditional prompt of classifier-free guidance."
+    )
     max_sequence_length: int | None = Field(
         None, ge=1, description="T5 prompt length (None: the pipeline's default)."
     )

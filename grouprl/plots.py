@@ -1,6 +1,7 @@
 """Training curves from metrics.jsonl as one PNG grid (matplotlib, Agg canvas: no display needed).
 
-Standard panels: train reward, held-out accuracy, KL, entropy, response length, clip fractions.
+Standard panels: train reward, held-out accuracy (or held-out reward, for images), KL, entropy,
+response length, clip fractions.
 Panels whose keys never appear are skipped; if none of the standard keys appear, every numeric key
 present gets its own panel. Train points are drawn as a line (plus a moving average when there are many),
 eval points as markers. The PNG is written to a temporary file and renamed into place, so a reader
@@ -22,6 +23,7 @@ from matplotlib.figure import Figure
 STANDARD_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train reward", ("reward/mean",)),
     ("held-out accuracy", ("eval/accuracy",)),
+    ("held-out reward", ("eval/reward",)),  # image / video runs (rollouts/images.py)
     ("KL", ("kl",)),
     ("entropy", ("entropy",)),
     ("response length", ("response_length/mean",)),

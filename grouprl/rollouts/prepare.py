@@ -19,12 +19,16 @@ from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
 from grouprl.rollouts.episodes import advantages as episode_advantages
 from grouprl.rollouts.filters import combined_reward
+from grouprl.rollouts.image_loss import prepare as prepare_images
+from grouprl.rollouts.images import is_images
 from grouprl.types import Rollout
 
 
 @torch.no_grad()
 def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
     """Fill the rollout for the loss (see module docstring); return reward / length metrics."""
+    if is_images(cfg):  # flow / diffusion policies: per-step Gaussian KL, clipped advantages
+        return prepare_images(cfg, policy, rollout, weights)
     a, temp = cfg.algorithm, cfg.rollout.temperature
     batch = rollout.actions
     single_pass = a.epochs == 1 and a.minibatches == 1

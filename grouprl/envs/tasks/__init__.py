@@ -16,6 +16,7 @@ from grouprl.envs.tasks.base import RewardFn, TaskData
 from grouprl.envs.tasks.code import build_code
 from grouprl.envs.tasks.countdown import build_countdown
 from grouprl.envs.tasks.env_seeds import build_env_task
+from grouprl.envs.tasks.images import build_image_prompts
 from grouprl.envs.tasks.math import build_math
 
 TASKS: dict[str, Callable[..., TaskData]] = {
@@ -23,6 +24,7 @@ TASKS: dict[str, Callable[..., TaskData]] = {
     "countdown": build_countdown,
     "math": build_math,
     "env": build_env_task,
+    "image_prompts": build_image_prompts,
     "code": build_code,
 }
 

@@ -1,0 +1,223 @@
+"""Image / video rollouts in the one training loop: sample groups through a flow (or DDIM) policy,
+decode, score with image rewards -> a Rollout; held-out evaluation with fixed prompts and seeds and
+image grids saved as PNG.
+
+Glue between train.py, the flow policies (policies/flow.py, unet.py) and the reward functions
+(envs/rewards: fn(images, prompts=..., **columns) -> list[float | None]). The loss side (advantages,
+KL, GRPO-Guard, DiffusionNFT / AWM) is rollouts/image_loss.py.
+
+- Conditioning (CONDITIONS, keyed by model.condition): "prompt" encodes the examples' prompts with
+  the policy's cached text encoders; "class_label" takes the examples' class_label column (with
+  model.null_label as the unconditional class for classifier-free guidance).
+- Policy-gradient objectives sample with the configured SDE, the stochastic steps chosen per sample
+  (diffusion.train_steps; MixGRPO's window from the optimizer step). Likelihood-free objectives
+  (DiffusionNFT, AWM) sample every step deterministically (diffusion.sampler "ode") or with the SDE;
+  DiffusionNFT samples with its "old" weights, as its official code does.
+- Rewards see the decoded images as one Float[N, 3, H, W] tensor in [0, 1] (video [N, 3, F, H, W]);
+  a failing batch is retried one image at a time (score_completions), a failing image is NaN.
+- Evaluation: diffusion.eval_steps deterministic steps, no step trained; eval.batch_size prompts per
+  batch, each batch's noise from a generator seeded by its first example's "seed", so every
+  evaluation draws the same images for the same weights. The grid (a row per prompt, a column per
+  seed) goes to <run_dir>/images/step-XXXXXXXX.png.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grouprl.envs.rewards import score_completions
+from grouprl.objectives.flow_support import stratified_timestep_indices
+from grouprl.rollouts.filters import combined_reward
+from grouprl.types import Rollout
+
+
+def is_images(cfg: Any) -> bool:
+    """True when the policy draws images or video (model.type flow or unet)."""
+    return cfg.model.type in ("flow", "unet")
+
+
+def _prompt_condition(cfg: Any, policy: Any, examples: list[dict]):
+    return policy.encode([ex["prompt"] for ex in examples])
+
+
+def _class_condition(cfg: Any, policy: Any, examples: list[dict]):
+    from grouprl.policies.flow_text import class_condition
+
+    missing = [ex.get("prompt") for ex in examples if "class_label" not in ex]
+    if missing:
+        raise ValueError(
+            f"model.condition='class_label' needs a class_label column; examples without it: "
+            f"{missing[:3]} (task image_prompts with source shapes / classes has it)"
+        )
+    return class_condition([int(ex["class_label"]) for ex in examples], cfg.model.null_label)
+
+
+CONDITIONS: dict[str, Callable[[Any, Any, list[dict]], Any]] = {
+    "prompt": _prompt_condition,
+    "class_label": _class_condition,
+}
+
+
+def _as_image_batch(fn: Callable) -> Callable:
+    """A reward taking Float[N, 3, ...] from score_completions' list of per-image tensors."""
+
+    def reward(images: list[Tensor], **columns: Any) -> list[float | None]:
+        return fn(torch.stack(list(images)), **columns)
+
+    return reward
+
+
+def score_images(
+    reward_fns: dict[str, Callable], images: Tensor, examples: list[dict], *, fail_fast: bool
+) -> tuple[dict[str, Tensor], dict[str, int]]:
+    """name -> Float[N] rewards of images [N, 3, ...] (examples: one per image) and error counts."""
+    if not reward_fns:
+        raise ValueError(
+            "no reward function for the images: this task has no default reward, list `rewards` "
+            "in the config (e.g. jpeg_compressibility, color_target, clip_score, pickscore)"
+        )
+    fns = {k: _as_image_batch(fn) for k, fn in reward_fns.items()}
+    return score_completions(fns, list(images), examples, fail_fast=fail_fast)
+
+
+def likelihood_free(cfg: Any) -> bool:
+    return cfg.diffusion.objective != "policy_gradient"
+
+
+def needs_old_weights(cfg: Any) -> bool:
+    """DiffusionNFT's old weights, or AWM's EMA weights (awm_ema_coef > 0): the policy's "old" slot."""
+    d = cfg.diffusion
+    return d.objective == "diffusion_nft" or (d.objective == "awm" and d.awm_ema_coef > 0)
+
+
+def has_old_weights(policy: Any) -> bool:
+    return any(k.startswith("old::") for k in policy.state_dict())
+
+
+def lf_mask(cfg: Any, n: int, k: int) -> Tensor:
+    """Likelihood-free objectives: Bool[N, K], True at the steps whose sigma may be a training
+    timestep (indices 1 .. min(floor(fraction K), K - 1) of the K + 1 sigmas)."""
+    cand = stratified_timestep_indices(k, None, cfg.diffusion.lf_timestep_fraction, 1)[0]  # [C]
+    mask = torch.zeros(n, k, dtype=torch.bool)  # [N, K]
+    mask[:, cand - 1] = True
+    return mask
+
+
+@torch.no_grad()
+def collect(
+    cfg: Any,
+    policy: Any,
+    examples: list[dict],
+    reward_fns: dict[str, Callable],
+    *,
+    first_group_id: int = 0,
+    optimizer_step: int = 0,
+) -> tuple[Rollout, dict[str, int]]:
+    """rollout.group_size images per example, decoded and scored; returns (Rollout, error counts).
+
+    Rollout: actions FlowBatch, old_logp / mask [N, K] (likelihood-free: mask = the candidate
+    training timesteps), rewards name -> Float[N], info prompt / example per sample."""
+    d, g = cfg.diffusion, cfg.rollout.group_size
+    cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
+    group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
+    mode = "eval" if d.sampler == "ode" else "rollout"  # eval mode: every step deterministic
+    nft = d.objective == "diffusion_nft"
+    if needs_old_weights(cfg) and not has_old_weights(policy):
+        policy.update_old(0.0)  # the first call copies the current weights
+    kwargs = dict(steps=d.rollout_steps, mode=mode, group_ids=group_ids,
+                  optimizer_step=optimizer_step, store_means=d.ratio_norm == "grpo_guard")  # fmt: skip
+    if nft:  # DiffusionNFT samples with its old weights
+        with policy.old_weights():
+            rollout = policy.sample(cond, g, **kwargs)
+    else:
+        rollout = policy.sample(cond, g, **kwargs)
+    if likelihood_free(cfg):
+        rollout.mask = lf_mask(cfg, len(rollout), rollout.actions.num_steps)  # [N, K]
+    repeated = [ex for ex in examples for _ in range(g)]  # one example per image
+    images = policy.decode(rollout.actions.final)  # [N, 3, H, W] in [0, 1]
+    rollout.rewards, errors = score_images(reward_fns, images, repeated,
+                                           fail_fast=cfg.run.fail_fast)  # fmt: skip
+    rollout.info["prompt"] = [ex.get("prompt", "") for ex in repeated]
+    rollout.info["example"] = repeated
+    return rollout, errors
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(
+    cfg: Any,
+    policy: Any,
+    examples: list[dict],
+    reward_fns: dict[str, Callable],
+    weights: dict[str, float],
+    *,
+    step: int,
+    n_samples: int = 8,
+) -> tuple[dict[str, float], list[dict]]:
+    """Mean of each reward and of the weighted sum ("reward") over the held-out images drawn with
+    diffusion.eval_steps deterministic steps; saves the image grid; rows for samples.md."""
+    images, rewards = [], []
+    for start in range(0, len(examples), cfg.eval.batch_size):
+        chunk = examples[start : start + cfg.eval.batch_size]
+        gen = torch.Generator().manual_seed(int(chunk[0].get("seed", start)))
+        cond = CONDITIONS[cfg.model.condition](cfg, policy, chunk)
+        out = policy.sample(cond, 1, mode="eval", generator=gen)
+        imgs = policy.decode(out.actions.final).cpu()  # [b, 3, ...]
+        scores, _ = score_images(reward_fns, imgs, chunk, fail_fast=cfg.run.fail_fast)
+        images.append(imgs)
+        rewards.append(scores)
+    imgs = torch.cat(images)  # [E, 3, ...]
+    scores = {k: torch.cat([r[k] for r in rewards]) for k in rewards[0]}  # name -> [E]
+    total = combined_reward(scores, {k: weights.get(k, 1.0) for k in scores})  # [E]
+    metrics = {"reward": _nanmean(total), **{k: _nanmean(v) for k, v in scores.items()}}
+    path = Path(cfg.run_dir) / "images" / f"step-{step:08d}.png"
+    save_grid(imgs, [ex.get("prompt", "") for ex in examples], path)
+    rows = [{"prompt": ex.get("prompt", ""), "seed": ex.get("seed"), "reward": float(total[i]),
+             **{k: float(v[i]) for k, v in scores.items()}}
+            for i, ex in enumerate(examples[:n_samples])]  # fmt: skip
+    return metrics, rows
+
+
+def _nanmean(x: Tensor) -> float:
+    return float(torch.nanmean(x)) if bool((~x.isnan()).any()) else math.nan
+
+
+def save_grid(images: Tensor, prompts: list[str], path: Path, min_tile: int = 64) -> Path:
+    """PNG of images [E, 3, H, W] in [0, 1] (video: the first frame): one row per run of equal
+    consecutive prompts, labelled with the prompt; tiles upscaled (nearest) to >= min_tile px."""
+    from PIL import Image, ImageDraw
+
+    if images.dim() == 5:  # [E, 3, F, H, W] video -> first frame
+        images = images[:, :, 0]
+    rows: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if rows and prompts[rows[-1][0]] == p:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    h, w = images.shape[-2:]
+    scale = max(1, math.ceil(min_tile / min(h, w)))
+    th, tw, label_w, pad = h * scale, w * scale, 8 + 7 * max(len(p) for p in prompts), 2
+    ncols = max(len(r) for r in rows)
+    canvas = Image.new("RGB", (label_w + ncols * (tw + pad), len(rows) * (th + pad)), "white")
+    draw = ImageDraw.Draw(canvas)
+    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    for r, idx in enumerate(rows):
+        y = r * (th + pad)
+        draw.text((4, y + th // 2 - 5), prompts[idx[0]], fill="black")
+        for c, i in enumerate(idx):
+            tile = Image.fromarray(pixels[i]).resize((tw, th), Image.NEAREST)
+            canvas.paste(tile, (label_w + c * (tw + pad), y))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    canvas.save(tmp, format="PNG")
+    tmp.replace(path)
+    return path
