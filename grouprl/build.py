@@ -46,7 +46,13 @@ def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
     return fns, weights
 
 
-def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
+def build_policy(cfg: Config, device: torch.device) -> Any:
+    """The policy of model.type (POLICIES: causal_lm -> CausalLMPolicy, flow / unet -> the image
+    and video policies of grouprl/build_flow.py)."""
+    return POLICIES[cfg.model.type](cfg, device)
+
+
+def _causal_lm_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
     m = cfg.model
     policy = CausalLMPolicy.from_pretrained(
         m.name_or_path,
@@ -55,6 +61,7 @@ def build_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
         lora=m.lora.model_dump() if m.lora else None,
         gradient_checkpointing=m.gradient_checkpointing,
         logprob_chunk_size=m.logprob_chunk_size,
+        logprob_path=m.logprob_path,
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
         engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
@@ -68,8 +75,23 @@ def _vllm_engine(cfg: Config, device: torch.device):
     return engine_from_config(cfg, device)
 
 
-# rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model
-TEXT_ENGINES = {"hf": lambda cfg, device: None, "vllm": _vllm_engine}
+# rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model, a
+# string: that CausalLMPolicy.LOCAL_ENGINES engine over its own model
+TEXT_ENGINES = {
+    "hf": lambda cfg, device: None,
+    "fast": lambda cfg, device: "fast",
+    "vllm": _vllm_engine,
+}
+
+
+def _flow_policy(cfg: Config, device: torch.device):
+    from grouprl.build_flow import build_flow_policy  # diffusers: imported for image runs only
+
+    return build_flow_policy(cfg, device)
+
+
+# model.type -> policy builder
+POLICIES = {"causal_lm": _causal_lm_policy, "flow": _flow_policy, "unet": _flow_policy}
 
 
 def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:

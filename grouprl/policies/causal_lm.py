@@ -25,7 +25,9 @@ from grouprl.policies.lora import LoRASettings, add_lora
 from grouprl.policies.lora import lora_settings as _lora_settings
 from grouprl.policies.lora import merged_state_dict as _merged_state_dict
 from grouprl.rollouts.engines.base import SamplingParams, TextEngine
+from grouprl.rollouts.engines.fast import FastEngine
 from grouprl.rollouts.engines.hf import HFEngine
+from grouprl.rollouts.engines.seeded import group_seeds
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -35,6 +37,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 Prompt = str | list[dict[str, str]]
+# engines that generate with the policy's own model object, by rollout.engine name
+LOCAL_ENGINES: dict[str, Any] = {"hf": HFEngine, "fast": FastEngine}
 
 
 def _check_source(name_or_path: str) -> None:
@@ -60,8 +64,8 @@ def _check_source(name_or_path: str) -> None:
 class _Scorer:
     """What `reference()` yields: `.log_probs(batch, temperature)` without gradient."""
 
-    def __init__(self, model: Any, chunk_size: int | None) -> None:
-        self._model, self._chunk_size = _hf_model(model), chunk_size
+    def __init__(self, model: Any, chunk_size: int | None, path: str = "fast") -> None:
+        self._model, self._chunk_size, self._path = _hf_model(model), chunk_size, path
 
     @torch.no_grad()
     def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
@@ -71,6 +75,7 @@ class _Scorer:
             temperature=temperature,
             chunk_size=self._chunk_size,
             with_entropy=False,
+            path=self._path,
         )[0]
 
 
@@ -95,8 +100,9 @@ class CausalLMPolicy:
         lora: LoRASettings | dict | None = None,
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = None,
+        logprob_path: str = "fast",
         need_reference: bool = False,
-        engine: TextEngine | None = None,
+        engine: TextEngine | str | None = None,
     ) -> None:
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
@@ -112,7 +118,15 @@ class CausalLMPolicy:
             )
         self.model = model
         self.logprob_chunk_size = logprob_chunk_size
-        self.engine: TextEngine = engine if engine is not None else HFEngine(model, tokenizer)
+        self.logprob_path = logprob_path  # logprobs.LOGPROB_PATHS: "fast" or "plain"
+        if engine is None or isinstance(engine, str):  # a LOCAL_ENGINES name: on this model
+            name = engine or "hf"
+            if name not in LOCAL_ENGINES:
+                raise ValueError(
+                    f"unknown local engine {name!r}; choose from {list(LOCAL_ENGINES)}"
+                )
+            engine = LOCAL_ENGINES[name](model, tokenizer)
+        self.engine: TextEngine = engine
         self._ref_model: Any = None
         if need_reference and self.lora is None:
             self._reference_model()
@@ -185,8 +199,11 @@ class CausalLMPolicy:
         engine: TextEngine | None = None,
         group_ids: list[int] | Tensor | None = None,
         greedy: bool = False,
+        seed: int | None = None,
     ) -> Rollout:
-        """G = group_size completions per prompt (consecutive rows); rewards are left empty."""
+        """G = group_size completions per prompt (consecutive rows); rewards are left empty.
+        seed: sample j of group g draws from its own generator seeded by (seed, g, j)
+        (engines/seeded.py), so a group's samples do not depend on the rest of the batch."""
         if group_size < 1 or not prompts:
             raise ValueError(
                 f"need >= 1 prompt and group_size >= 1, got {len(prompts)}, {group_size}"
@@ -197,7 +214,10 @@ class CausalLMPolicy:
         if group_ids.shape != (len(prompts),):
             raise ValueError(f"group_ids must have one id per prompt ({len(prompts)})")
         prompt_ids = [p for p in self.encode_prompts(prompts) for _ in range(group_size)]
-        out = (engine or self.engine).generate(prompt_ids, params, greedy=greedy)
+        seeded = {}  # engines that take no seeds never see the key
+        if seed is not None:
+            seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
+        out = (engine or self.engine).generate(prompt_ids, params, greedy=greedy, **seeded)
         pad = self.tokenizer.pad_token_id
         p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
         p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")
@@ -243,6 +263,7 @@ class CausalLMPolicy:
             chunk_size=chunk_size or self.logprob_chunk_size,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            path=self.logprob_path,
         )  # [N, T] each
         return PolicyOutput(logp=logp, entropy=entropy)
 
@@ -251,9 +272,9 @@ class CausalLMPolicy:
         """Scores under the frozen reference: the adapter disabled (LoRA) or a frozen copy."""
         if self.lora is not None:
             with self.model.disable_adapter():
-                yield _Scorer(self.model, self.logprob_chunk_size)
+                yield _Scorer(self.model, self.logprob_chunk_size, self.logprob_path)
         else:
-            yield _Scorer(self._reference_model(), self.logprob_chunk_size)
+            yield _Scorer(self._reference_model(), self.logprob_chunk_size, self.logprob_path)
 
     def _reference_model(self) -> Any:
         if self._ref_model is None:

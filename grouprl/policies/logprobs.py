@@ -140,8 +140,32 @@ def completion_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = True,
     entropy_grad: bool = False,
+    path: str = "fast",
 ) -> tuple[Tensor, Tensor | None]:
     """logp [N, T] and entropy [N, T] | None of a TokenBatch's completion tokens; masked slots 0.
+
+    path: "fast" (fast_logprobs.py: each group's prompt once, fused LM head over the real
+    completion tokens) or "plain" (one [prompt | completion] pass, chunked autograd head); the
+    same numbers up to float round-off.
+    """
+    if path not in LOGPROB_PATHS:
+        raise ValueError(f"unknown log-prob path {path!r}; choose from {list(LOGPROB_PATHS)}")
+    return LOGPROB_PATHS[path](
+        model, batch, temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )  # fmt: skip
+
+
+def plain_completion_logprobs(
+    model: Any,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The plain path of completion_logprobs; masked slots 0.
 
     `model` is a transformers causal LM (peft adapters injected in place are fine): its decoder
     runs on [left-padded prompt | right-padded completion] and its LM head goes through
@@ -178,3 +202,13 @@ def completion_logprobs(
     logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
     entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
     return logp, entropy
+
+
+def _fast(model: Any, batch: TokenBatch, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    from grouprl.policies.fast_logprobs import fast_completion_logprobs
+
+    return fast_completion_logprobs(model, batch, **kwargs)
+
+
+# completion_logprobs(path=...): how the completion tokens are scored
+LOGPROB_PATHS = {"fast": _fast, "plain": plain_completion_logprobs}
