@@ -148,15 +148,19 @@ _YAML12Loader.add_implicit_resolver(
 )
 
 
-def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_YAML12Loader)
+def _load_yaml(text: str, where: str = "the YAML text") -> Any:
+    try:
+        return yaml.load(text, Loader=_YAML12Loader)
+    except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ConfigError(f"{where} is not valid YAML: {detail}") from None
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like dotted.key=value")
     key, value = item.split("=", 1)
-    return key.strip().split("."), _load_yaml(value) if value != "" else ""
+    return key.strip().split("."), _load_yaml(value, f"override {item!r}") if value != "" else ""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -229,7 +233,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        raw = _load_yaml(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc})") from None
+        raw = _load_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return validate(apply_overrides(raw, list(overrides)))

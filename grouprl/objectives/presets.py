@@ -327,7 +327,7 @@ def preset_settings(name: str, *, sections: bool = False) -> dict[str, object]:
 
     An unknown name raises, naming the nearest preset.
     """
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:  # a YAML list or mapping is no name
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1, cutoff=0.0)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(sorted(PRESETS))}{hint}")
