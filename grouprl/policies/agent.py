@@ -53,6 +53,10 @@ class ParsedAction:
     reason: str | None = None
 
 
+def _brief(exc: Exception) -> str:
+    return str(exc)[:200] if not isinstance(exc, RecursionError) else "nested too deeply"
+
+
 def _fail(reason: str, error: str, raw: str | None = None) -> ParsedAction:
     return ParsedAction(ok=False, raw=raw, error=error, reason=reason)
 
@@ -80,8 +84,8 @@ def _parse_tool_call(text: str) -> ParsedAction:
         return _fail("empty", "the <tool_call> tag is empty", raw)
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return _fail("json_error", f"the tool call is not valid JSON: {e}", raw)
+    except (ValueError, RecursionError) as e:  # also: ints over 4300 digits, absurd nesting
+        return _fail("json_error", f"the tool call is not valid JSON: {_brief(e)}", raw)
     if not isinstance(obj, dict):
         return _fail(
             "not_object", f"the tool call must be a JSON object, got {type(obj).__name__}", raw
@@ -93,8 +97,10 @@ def _parse_tool_call(text: str) -> ParsedAction:
     if isinstance(args, str):  # OpenAI style: arguments serialised as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return _fail("bad_arguments", f'"arguments" is a string but not valid JSON: {e}', raw)
+        except (ValueError, RecursionError) as e:
+            return _fail(
+                "bad_arguments", f'"arguments" is a string but not valid JSON: {_brief(e)}', raw
+            )
     if args is None:
         args = {}
     if not isinstance(args, dict):
