@@ -11,10 +11,11 @@ model.type "flow":
 model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
 sampled with DDIM (eta = diffusion.eta; the DDPO scheduler config).
 
-Choices: full fine-tuning keeps a frozen reference copy only when a KL is on (FlowWeights builds it
-lazily); LoRA settings without target_modules take the family's attention projections. The sampler
-"ode" (likelihood-free objectives) builds the policy with "flow_sde" as its stochastic sampler, which
-those rollouts never use (they sample every step deterministically, rollouts/images.py).
+Choices: full fine-tuning keeps a frozen reference copy only when a KL is on, made here before any
+checkpoint is loaded (so a resumed run keeps the initial model as its reference); LoRA settings
+without target_modules take the family's attention projections. The sampler "ode" (likelihood-free
+objectives) builds the policy with "flow_sde" as its stochastic sampler, which those rollouts never
+use (they sample every step deterministically, rollouts/images.py).
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         from dataclasses import replace
 
         policy.family = replace(policy.family, sigma_spacing=d.sigma_spacing)
+    if cfg.algorithm.kl_coef > 0 and policy.lora is None:
+        # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
+        # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)
+        with policy.reference():
+            pass
     return policy.to(device)
 
 
