@@ -19,8 +19,18 @@ from grouprl.envs.rewards.text import accuracy_reward
 from grouprl.envs.tasks.base import TaskData, check_choice, check_int, check_template
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# names single_turn.collect passes to reward functions itself ("prompts" comes from "prompt")
+RESERVED_COLUMNS = frozenset(
+    {"completions", "prompts", "completion_lengths", "truncated", "max_new_tokens"}
+)
 
 # ---------------------------------------------------------------- loading
+
+
+def _json_msg(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)[:120]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -31,8 +41,10 @@ def _read_jsonl(path: Path) -> list[dict]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {number} is not valid JSON ({exc.msg})") from None
+            except (ValueError, RecursionError) as exc:  # also: huge ints, absurd nesting
+                raise ValueError(
+                    f"{path}: line {number} is not valid JSON ({_json_msg(exc)})"
+                ) from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: line {number} is a {type(row).__name__}, not an object")
             rows.append(row)
@@ -48,6 +60,8 @@ def _read_json(path: Path) -> list[dict]:
         if exc.msg == "Extra data":  # several top-level values: the JSON Lines layout
             return _read_jsonl(path)
         raise ValueError(f"{path}: line {exc.lineno} is not valid JSON ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({_json_msg(exc)})") from None
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
@@ -141,6 +155,12 @@ def to_examples(
 ) -> list[dict[str, Any]]:
     """Rows -> examples {"prompt", "answer", ...the row's other columns}."""
     present = sorted({k for row in rows for k in row})
+    reserved = sorted(set(present) & RESERVED_COLUMNS)
+    if reserved:
+        raise ValueError(
+            f"math task: columns {reserved} of {source!r} clash with names the reward call "
+            f"reserves ({sorted(RESERVED_COLUMNS)}); rename them"
+        )
     for name in (question_column, answer_column):
         if name not in present:
             raise ValueError(f"math task: column {name!r} is not in {source!r}; columns: {present}")
