@@ -15,27 +15,29 @@ from typing import Any
 
 import torch
 
-from grouprl.batching import split_batch
+from grouprl.async_rollout import prepare_config, rollout_source
 from grouprl.build import (
     build_optimizer,
     build_policy,
     build_rewards,
     build_sampler,
-    device_for,
     sampling_params,
     seed_everything,
 )
-from grouprl.checkpoint import CheckpointManager
 from grouprl.config import Config, save_resolved
+from grouprl.distributed import SINGLE, Dist
+from grouprl.distributed import setup as setup_dist
 from grouprl.envs.tasks import build_task
 from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
 from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
-from grouprl.rollouts import episodes
+from grouprl.rollouts import episodes, image_loss, images
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
+from grouprl.rollouts.engines.sync import push_weights, release_engine, step_mismatch
 from grouprl.rollouts.filters import sample_until_full
+from grouprl.rollouts.images import is_images
 from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
 from grouprl.run_state import claim_run_dir, resume_from, save_checkpoint
@@ -51,23 +53,30 @@ class NonFiniteLossError(RuntimeError):
 
 
 def rollout_step(
-    cfg, policy, sampler, reward_fns, weights, params, step
+    cfg, policy, sampler, reward_fns, weights, params, step, dist: Dist = SINGLE
 ) -> tuple[Rollout | None, dict]:
-    """Sample and score one batch of groups (with DAPO dynamic sampling when configured)."""
+    """Sample and score one batch of groups (with DAPO dynamic sampling when configured).
+    Several processes: each samples a share of the groups, all get the whole scored batch."""
     r, a = cfg.rollout, cfg.algorithm
     errors_total: dict[str, int] = {}
+    seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
 
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
         if is_agent(cfg):  # multi-turn episodes: the environment gives the rewards
-            return episodes.collect(
-                cfg, policy, examples, params, group_size=r.group_size, first_group_id=first_id
-            )
-        rollout, errors = collect(
-            policy, examples, r.group_size, params, reward_fns,
-            first_group_id=first_id, fail_fast=cfg.run.fail_fast,
-        )  # fmt: skip
+            return dist.gather_groups(examples, first_id, lambda part, first: (episodes.collect(
+                cfg, policy, part, params, group_size=r.group_size, first_group_id=first), {}))[0]
+        if is_images(cfg):  # images / video: flow or DDIM policy, image rewards
+            rollout, errors = images.collect(
+                cfg, policy, examples, reward_fns, first_group_id=first_id,
+                optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
+            )  # fmt: skip
+        else:
+            rollout, errors = dist.gather_groups(examples, first_id, lambda part, first: collect(
+                policy, part, r.group_size, params, reward_fns,
+                first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+            ))  # fmt: skip
         for k, v in errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
         return rollout
@@ -80,7 +89,7 @@ def rollout_step(
     else:
         rollout = one_round(0)
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
-    for k, v in drain_reward_metrics(reward_fns).items():  # isolated / code rewards' own counts
+    for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v
     if rollout is not None and is_agent(cfg):
         metrics.update(episodes.episode_metrics(rollout))
@@ -93,14 +102,21 @@ def is_agent(cfg: Config) -> bool:
 
 
 def max_completion_len(cfg: Config) -> int:
-    """L_max of the constant normalisers: one completion, or a whole multi-turn episode."""
+    """L_max of the constant normalisers: one completion, a whole multi-turn episode, or the
+    denoising steps of an image rollout."""
+    if is_images(cfg):
+        return cfg.diffusion.rollout_steps
     return cfg.agent.max_total_tokens if is_agent(cfg) else cfg.rollout.max_new_tokens
 
 
-def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[str, float]:
-    """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts."""
+def update(
+    cfg: Config, policy, optimizer, scheduler, rollout: Rollout, dist: Dist = SINGLE
+) -> dict[str, float]:
+    """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts.
+    Several processes: each trains its share of every minibatch (grouprl/distributed.py)."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
-    single_pass = a.epochs == 1 and a.minibatches == 1
+    # one_step_off: old_logp was scored with the sampling weights, never the current ones
+    single_pass = a.epochs == 1 and a.minibatches == 1 and cfg.train.async_mode == "off"
     need_entropy = a.entropy_coef != 0 or a.top_entropy_quantile < 1
     shares: dict[str, float] = {}  # loss terms: summed over micro-batches of an update
     means: dict[str, float] = {}  # per-micro-batch statistics: averaged
@@ -109,7 +125,7 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
     skipped = [0, 0]  # updates skipped for a non-finite [loss, gradient norm]
     policy.train()
     for _ in range(a.epochs):
-        for mb, micro_batches in split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
+        for mb, micro_batches in dist.split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
                                         whole_groups=a.surrogate in _GROUP_SURROGATES):  # fmt: skip
             counts = count_tokens(
                 rollout.mask[mb],
@@ -118,26 +134,36 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
             )  # global counts of this optimizer update: tokens, sequences, groups
             optimizer.zero_grad(set_to_none=True)
             parts: list[dict[str, float]] = []  # metrics of this update's micro-batches
-            for idx in micro_batches:
-                sub = rollout.select(idx)
-                out = policy.log_probs(
-                    sub.actions, temperature=temp, with_entropy=True, entropy_grad=need_entropy
-                )
-                old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
-                if cfg.rollout.old_logp == "engine":
-                    old = sub.engine_logp
-                res = total_loss(
-                    out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
-                    algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
-                    group_ids=sub.group_ids, token_scales=sub.token_scales,
-                    seq_weights=sub.seq_weights,
-                )  # fmt: skip
-                if not torch.isfinite(res.loss):
-                    break  # the update is skipped below
-                res.loss.backward()
-                parts.append(res.metrics)
-            finite_loss = len(parts) == len(micro_batches)
-            norm = _clip(policy, cfg.train.max_grad_norm) if finite_loss else math.nan
+            for k, idx in enumerate(micro_batches):
+                dist.set_sync(k == len(micro_batches) - 1)  # processes sync grads on the last
+                sub = dist.select(rollout, idx)  # an empty idx: zero-weight padding (distributed)
+                if is_images(cfg):  # flow / diffusion: rollouts/image_loss.py
+                    res, old = image_loss.micro_loss(cfg, policy, sub, counts, single_pass)
+                    if single_pass:
+                        rollout.old_logp[idx] = old
+                else:
+                    out = policy.log_probs(
+                        sub.actions, temperature=temp, with_entropy=True, entropy_grad=need_entropy
+                    )
+                    old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
+                    if single_pass:  # keep the trainer's score of the sampling weights (pi_old)
+                        rollout.old_logp[idx] = old
+                    if cfg.rollout.old_logp == "engine":
+                        old = sub.engine_logp
+                    res = total_loss(
+                        out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
+                        algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
+                        group_ids=sub.group_ids, token_scales=sub.token_scales,
+                        seq_weights=sub.seq_weights,
+                    )  # fmt: skip
+                if not torch.isfinite(res.loss) and dist.world == 1:
+                    break  # the update is skipped below (processes: all agree first)
+                dist.backward(res.loss)
+                if len(idx):
+                    parts.append(res.metrics)
+            finite_loss = dist.all_finite(parts, micro_batches)
+            params = policy.trainable_parameters()
+            norm = dist.clip_grad_norm(params, cfg.train.max_grad_norm) if finite_loss else math.nan
             if not math.isfinite(norm):  # NaN/inf loss or gradient: skip this one update
                 optimizer.zero_grad(set_to_none=True)
                 skipped[0 if not finite_loss else 1] += 1
@@ -152,6 +178,7 @@ def update(cfg: Config, policy, optimizer, scheduler, rollout: Rollout) -> dict[
             optimizer.step()
             scheduler.step()
             n_updates += 1
+    means, shares, n_micro = dist.sum_metrics(means, shares, n_micro)  # over all processes
     metrics = {k: v / max(n_micro, 1) for k, v in means.items()}
     metrics.update({k: v / max(n_updates, 1) for k, v in shares.items()})
     metrics["grad_norm"] = sum(norms) / len(norms) if norms else math.nan
@@ -194,14 +221,6 @@ _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
 _GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a group
 
 
-def _clip(policy, max_norm: float | None) -> float:
-    params = [p for p in policy.trainable_parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    bound = max_norm if max_norm is not None else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(params, bound))
-
-
 # ---- the loop -----------------------------------------------------------------------------------
 
 
@@ -211,13 +230,16 @@ def train(cfg: Config) -> dict[str, Any]:
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one a person should read
     run_dir = cfg.run_dir
-    claim_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, run_dir / "config.yaml")
+    dist = setup_dist(cfg)  # accelerate launch: this process's place; else one process
+    if dist.is_main:  # only the main process writes the run directory
+        claim_run_dir(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, run_dir / "config.yaml")
+    dist.barrier()
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
-    device = device_for(cfg.run.device)
+    device = dist.device_for(cfg.run.device)
 
     task = build_task(cfg.task.name, **cfg.task.options)
     reward_fns, weights = build_rewards(cfg, task)
@@ -227,15 +249,17 @@ def train(cfg: Config) -> dict[str, Any]:
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, policy)
+    policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
-    ckpts = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last)
+    ckpts = dist.checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last)  # main writes
 
     step, before, after, nonfinite_streak = 0, None, None, 0
     latest = ckpts.latest(verify=True) if cfg.run.resume else None  # checksums: skip damaged
     if latest is not None:
         step, before, after = resume_from(latest, policy, optimizer, scheduler, sampler)
-    logger = RunLogger(
+    push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
+    logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
         run_name=cfg.run.name, config=cfg.model_dump(mode="json"), start_step=step,
     )  # fmt: skip
@@ -252,6 +276,8 @@ def train(cfg: Config) -> dict[str, Any]:
         policy.eval()
         if is_agent(cfg):
             m, rows = episodes.evaluate(cfg, policy, eval_examples, params)
+        elif is_images(cfg):  # fixed prompts and seeds; the image grid goes to run_dir/images/
+            m, rows = images.evaluate(cfg, policy, eval_examples, reward_fns, weights, step=at_step)
         else:
             m, rows = evaluate(
                 policy, eval_examples, reward_fns, params,
@@ -260,23 +286,34 @@ def train(cfg: Config) -> dict[str, Any]:
             m.update(drain_reward_metrics(reward_fns))
         logger.log(at_step, {f"eval/{k}": v for k, v in m.items()}, split="eval")
         logger.log_samples(at_step, [{"step": at_step, **row} for row in rows])
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        if dist.is_main:
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         return m
+
+    rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
+        cfg, pol, sampler, reward_fns, weights, params, at, dist), dist.world)  # fmt: skip
+    prepare_cfg = prepare_config(cfg)  # one_step_off: old_logp is the sampling weights' already
 
     with logger:
         if before is None:
             before = run_eval(0)
         while step < cfg.train.steps:
-            rollout, metrics = rollout_step(cfg, policy, sampler, reward_fns, weights, params, step)
+            rollout, metrics = rollouts.next(step, policy)  # async: sampled while stepping
+            release_engine(policy)  # GPU, rollout.vllm.sleep: vLLM frees memory for the update
             step, after = step + 1, None  # a step ran: the final evaluation is due (again)
             if rollout is not None:
-                metrics.update(prepare(cfg, policy, rollout, weights))
+                metrics.update(prepare(prepare_cfg, dist.scorer(policy), rollout, weights))
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
                     sources = [ex[column] for ex in rollout.info["example"]]
                     sampler.update(sources, response_advantages(rollout.advantages, rollout.mask))
                     metrics.update(sampler.metrics())
-                metrics.update(update(cfg, policy, optimizer, scheduler, rollout))
+                metrics.update(update(cfg, policy, optimizer, scheduler, rollout, dist))
+                dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
+                if is_images(cfg):  # DiffusionNFT's old / AWM's EMA weights follow
+                    metrics.update(image_loss.after_update(cfg, policy, step))
+                metrics.update(step_mismatch(cfg, rollout))  # engine vs trainer log-probs
+                push_weights(policy)  # the engine samples the next step with the new weights
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
             logger.log(step, metrics)
@@ -284,12 +321,15 @@ def train(cfg: Config) -> dict[str, Any]:
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 run_eval(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
-                save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before)
+                save_checkpoint(ckpts, step, policy, optimizer, scheduler,
+                                rollouts.saved_sampler(sampler), before)  # fmt: skip
         # the last step's checkpoint is written once, after the final evaluation, holding its
         # result: a crash in between redoes the last step; a finished run resumed does nothing
+        rollouts.close()
         if after is None:
             after = run_eval(step)
             save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after)
-        plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        if dist.is_main:
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
             "accuracy_key": "success" if is_agent(cfg) else accuracy_key(reward_fns)}  # fmt: skip

@@ -21,16 +21,22 @@ def collect(
     first_group_id: int = 0,
     greedy: bool = False,
     fail_fast: bool = False,
+    seed: int | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """Sample `group_size` completions for each example and score them with every reward function.
 
     Group ids are first_group_id, first_group_id + 1, ... one per example, so that several calls
-    (dynamic sampling rounds) never share an id. Returns the Rollout (rewards filled: name ->
-    Float[N], NaN where a function failed) and name -> number of failed samples.
+    (dynamic sampling rounds) never share an id. seed: per-sample generators seeded from
+    (seed, group id, index) instead of the global RNG (rollout.seeding per_sample). Returns the
+    Rollout (rewards filled: name -> Float[N], NaN where a function failed) and name -> number
+    of failed samples.
     """
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
-    rollout = policy.sample(prompts, group_size, params, group_ids=group_ids, greedy=greedy)
+    seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
+    rollout = policy.sample(
+        prompts, group_size, params, group_ids=group_ids, greedy=greedy, **seeded
+    )
     batch = rollout.actions
     repeated = [ex for ex in examples for _ in range(group_size)]  # one example per completion
     rollout.rewards, errors = score_completions(

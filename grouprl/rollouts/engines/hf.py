@@ -29,6 +29,7 @@ from transformers.generation import (
 )
 
 from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+from grouprl.rollouts.engines.seeded import SeededChoice
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -107,12 +108,22 @@ class HFEngine:
         the current weights; there is nothing to copy."""
 
     def generate(
-        self, prompt_token_ids: list[list[int]], params: SamplingParams, *, greedy: bool = False
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        greedy: bool = False,
+        seeds: list[int] | None = None,
     ) -> GenerationOutput:
         """One completion per prompt. Greedy takes the argmax; its log-probs are under
-        softmax(logits / temperature) (top-k/top-p do not apply)."""
+        softmax(logits / temperature) (top-k/top-p do not apply). seeds: one per prompt, each row
+        then samples from its own generator (engines/seeded.py); None: torch's global RNG."""
         if not prompt_token_ids:
             return GenerationOutput([], [], [])
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(
+                f"HFEngine.generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts"
+            )
         for i, p in enumerate(prompt_token_ids):
             if len(p) == 0:
                 raise ValueError(
@@ -129,7 +140,10 @@ class HFEngine:
             with torch.no_grad():
                 for start in range(0, len(prompt_token_ids), step):
                     chunk = self._generate_chunk(
-                        prompt_token_ids[start : start + step], params, greedy
+                        prompt_token_ids[start : start + step],
+                        params,
+                        greedy,
+                        None if seeds is None else seeds[start : start + step],
                     )
                     out.completion_ids += chunk.completion_ids
                     out.logprobs += chunk.logprobs
@@ -140,7 +154,11 @@ class HFEngine:
         return out
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, greedy: bool
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        greedy: bool,
+        seeds: list[int] | None = None,
     ) -> GenerationOutput:
         device = next(self.model.parameters()).device
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -158,10 +176,13 @@ class HFEngine:
         if not greedy and params.top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p=params.top_p))
         recorder = _LogprobRecorder()
+        # seeded rows: SeededChoice draws the token, generate's argmax then returns it
+        chooser = [SeededChoice(seeds)] if seeds is not None and not greedy else []
+        sample = not greedy and not chooser
         # Neutral sampling settings (our warpers above do the work); greedy ignores them.
-        neutral = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
         config = GenerationConfig(
-            do_sample=not greedy,
+            do_sample=sample,
             **neutral,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=self.eos_ids,
@@ -173,7 +194,7 @@ class HFEngine:
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([*warpers, recorder]),
+            logits_processor=LogitsProcessorList([*warpers, recorder, *chooser]),
             tokenizer=self.tokenizer if params.stop else None,
         )
         generated = result.sequences[:, P:]  # [B, T]
