@@ -73,13 +73,14 @@ def describe_machine(info: dict[str, Any]) -> str:
     )
 
 
-def warn_if_loaded(info: dict[str, Any]) -> str | None:
+def warn_if_loaded(info: dict[str, Any], alternated: bool = True) -> str | None:
     """A warning line when other work shares the cores (timings are then inflated and noisy)."""
     load = info["load_average_1m_5m_15m"][0]
     if load > 0.75 * (info["cores"] or 1):
+        tail = "; the alternated A/B ratios are the meaningful numbers" if alternated else ""
         return (
             f"note: load average {load:.1f} on {info['cores']} cores: other processes share the CPU, "
-            "so absolute times are inflated; the alternated A/B ratios are the meaningful numbers"
+            f"so absolute times are inflated{tail}"
         )
     return None
 

@@ -110,13 +110,26 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _token_counts(batch: Any) -> dict[str, int]:
+    from grouprl.policies.fast_logprobs import prompt_runs
+
+    runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)  # [N] group of each row
+    first = torch_first(runs)
     return {
         "generated": int(batch.completion_mask.sum()),
         "prompt": int(batch.prompt_mask.sum()),
+        "prompt_once_per_group": int(batch.prompt_mask[first].sum()),
+        "groups": int(first.sum()),
         "padded_prompt_len": int(batch.prompt_ids.shape[1]),
         "padded_completion_len": int(batch.completion_ids.shape[1]),
         "rows": int(batch.completion_ids.shape[0]),
     }
+
+
+def torch_first(runs: Any) -> Any:
+    """[N] bool: the first row of each run of identical prompts."""
+    first = runs.new_ones(len(runs), dtype=bool)
+    first[1:] = runs[1:] != runs[:-1]
+    return first
 
 
 def _begin_memory() -> dict[str, float]:

@@ -23,6 +23,30 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# `grouprl bench NAME`: the scripts in the repository's benchmarks/ folder (not installed with the
+# package; a source checkout is needed)
+BENCHMARKS = {
+    "text-vs-trl": "text_vs_trl.py",
+    "learning-vs-trl": "learning_vs_trl.py",
+    "hardware-limit": "hardware_limit.py",
+    "logprob-memory": "logprob_memory.py",
+    "flow-step": "flow_step.py",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[args.name]
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"benchmark script {str(script)!r} not found: `grouprl bench` runs the scripts of a "
+            "source checkout of grouprl (git clone, then pip install -e .)"
+        )
+    return subprocess.run([sys.executable, str(script), *args.options], check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grouprl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("config", help="path to the YAML config")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(func=_train)
+    bench = sub.add_parser(
+        "bench", help="run a benchmark of benchmarks/ (table, JSON and PNG in benchmarks/results)"
+    )
+    bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the script")
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

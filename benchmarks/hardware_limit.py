@@ -1,0 +1,177 @@
+"""How close a grouprl GRPO step comes to this CPU's matmul rate (utilisation), measured in one run.
+
+FLOPs of a step (the issue's model; attention score/value products, norms and the softmax are
+left out, so utilisation is slightly understated):
+    generation  2 x params x generated tokens      (+ each group's prompt prefilled once)
+    update      6 x params x trained tokens        (completion tokens + each group's prompt once:
+                                                    the exact gradient needs the prompt's K/V)
+    extra       2 x params x tokens of extra forward passes (old log-probs when mu > 1, the
+                                                    reference model when beta > 0: none here)
+where params = the parameters that take part in matmuls (decoder + LM head; an input embedding
+that is not tied to the head is a lookup and does not count).
+The peak is the best float32 matmul rate of torch.mm on this CPU, measured in the same process
+with the same threads, right before and right after the steps (the larger is kept), on the
+workload's own shapes (tokens x hidden x intermediate / vocabulary) and a square 1024^3.
+
+The step is grouprl's default path on the text_vs_trl workload (8 prompts x 8 samples, 32-token
+completions, mu = 1, beta = 0), run in-process with the same code as benchmarks/text_vs_trl.py.
+
+    .venv/bin/python benchmarks/hardware_limit.py [--models small,large --steps 3 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import text_vs_trl  # noqa: E402
+
+
+def matmul_peak(hidden: int, intermediate: int, vocab: int, repeats: int = 5) -> dict[str, float]:
+    """Best GFLOP/s of torch.mm (float32) over a few representative shapes."""
+    import torch
+
+    shapes = [(2048, hidden, intermediate), (2048, intermediate, hidden), (1024, 1024, 1024)]
+    if vocab > 1024:
+        shapes.append((512, hidden, vocab))
+    best: dict[str, float] = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)  # warm-up
+        rate = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            rate = max(rate, 2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+        best[f"{m}x{k}x{n}"] = rate
+    return best
+
+
+def matmul_params(model_dir: Path) -> dict[str, int]:
+    """Decoder and LM-head parameter counts of the saved model (see the module docstring)."""
+    import json
+
+    from safetensors import safe_open
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    total = head = embed = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                n = st.get_slice(k).get_shape()
+                size = 1
+                for d in n:
+                    size *= d
+                total += size
+                if "embed_tokens" in k:
+                    embed = size
+                if k.startswith("lm_head"):
+                    head = size
+    tied = cfg.get("tie_word_embeddings", False) or head == 0
+    head = embed if tied else head
+    body = total - embed - (0 if tied else head)
+    return {"body": body, "head": head, "matmul": body + head, "total": total}
+
+
+def step_flops(p: dict[str, int], tokens: dict[str, int]) -> dict[str, float]:
+    gen_tokens = tokens["generated"] + tokens["prompt_once_per_group"]
+    trained = tokens["generated"] + tokens["prompt_once_per_group"]
+    return {
+        "generate": 2.0 * p["matmul"] * gen_tokens,
+        "update": 6.0 * p["matmul"] * trained,
+        "extra": 0.0,  # mu = 1 (old log-probs from the same weights), beta = 0 (no reference)
+    }
+
+
+def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
+    spec = C.MODELS[name]
+    model_dir = C.build_model_dir(a.out / "models" / name, name, seed=a.seed)
+    vocab = spec["vocab"] or 259
+    before = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
+    ns = argparse.Namespace(model_dir=model_dir, engine=a.engine, seed=a.seed, lr=1e-5,
+                            warmup=a.warmup, steps=a.steps)  # fmt: skip
+    run = text_vs_trl.run_grouprl(ns)
+    after = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
+    peak = max(max(before.values()), max(after.values()))
+    params = matmul_params(model_dir)
+    steps = run["steps"][a.warmup :]
+    tokens = run["tokens"][a.warmup :]
+    phases: dict[str, list[float]] = {"generate": [], "update": [], "step": []}
+    for s, t in zip(steps, tokens):
+        f = step_flops(params, t)
+        phases["generate"].append(f["generate"] / s["generate_s"] / 1e9)
+        phases["update"].append((f["update"] + f["extra"]) / s["update_s"] / 1e9)
+        phases["step"].append(sum(f.values()) / s["total_s"] / 1e9)
+    achieved = {k: C.median(v) for k, v in phases.items()}
+    return {
+        "params": params,
+        "matmul_peak_gflops": peak,
+        "matmul_rates_before": before,
+        "matmul_rates_after": after,
+        "achieved_gflops": achieved,
+        "utilisation": {k: v / peak for k, v in achieved.items()},
+        "s_per_step": C.median([s["total_s"] for s in steps]),
+        "flops_per_step": C.median([sum(step_flops(params, t).values()) for t in tokens]),
+        "tokens": tokens,
+        "steps": steps,
+        "engine": run["engine"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="small,large")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="", help="grouprl rollout.engine (default: config default)")
+    p.add_argument("--out", type=Path, default=C.RESULTS)
+    a = p.parse_args(argv)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    if not models or set(models) - set(C.MODELS):
+        raise SystemExit(f"--models: choose from {list(C.MODELS)}")
+    C.worker_setup(a.threads)
+    info = C.machine_info(a.threads)
+    print(f"machine: {C.describe_machine(info)}")
+    results: dict[str, Any] = {"machine": info, "settings": vars(a) | {"out": str(a.out)}}
+    for name in models:
+        t0 = time.perf_counter()
+        results[name] = run_model(name, a)
+        print(f"  [{name}] {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for name in models:
+        r = results[name]
+        rows.append([name, f"{r['params']['matmul'] / 1e6:.2f}M", f"{r['flops_per_step'] / 1e9:.1f}",
+                     f"{r['s_per_step']:.2f}", f"{r['matmul_peak_gflops']:.1f}"]
+                    + [f"{r['achieved_gflops'][k]:.1f} ({100 * r['utilisation'][k]:.0f}%)"
+                       for k in ("generate", "update", "step")])  # fmt: skip
+    header = ["model", "matmul params", "GFLOP/step", "s/step", "peak GFLOP/s",
+              "generate GFLOP/s (util)", "update GFLOP/s (util)", "step GFLOP/s (util)"]  # fmt: skip
+    print()
+    print(f"grouprl engine {results[models[0]]['engine']!r}")
+    print(C.format_table(header, rows))
+    warn = C.warn_if_loaded(info, alternated=False)
+    if warn:
+        print(warn)
+    C.write_json(a.out / "hardware_limit.json", results)
+    panels = [("GFLOP/s",
+               {"matmul peak": [results[m]["matmul_peak_gflops"] for m in models],
+                **{k: [results[m]["achieved_gflops"][k] for m in models]
+                   for k in ("generate", "update", "step")}}, models)]  # fmt: skip
+    C.bar_png(a.out / "hardware_limit.png", panels, "grouprl GRPO step vs this CPU's matmul rate")
+    print(f"wrote {a.out / 'hardware_limit.json'} and {a.out / 'hardware_limit.png'}")
+    for m in models:
+        print(
+            f"[{m}] utilisation of the matmul peak: {100 * results[m]['utilisation']['step']:.0f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
