@@ -26,4 +26,5 @@ def test_config_validates_and_local_task_builds(path):
     if cfg.task.name == "math" and not Path(source).exists():
         pytest.skip(f"task data {source!r} is a hub dataset: no network in tests")
     task = build_task(cfg.task.name, **cfg.task.options)
-    assert task.train and (task.reward_fns or cfg.task.name == "env")  # env: rewards from the env
+    # env: rewards from the env; image prompt files name their rewards in the config
+    assert task.train and (task.reward_fns or cfg.rewards or cfg.task.name == "env")

@@ -27,6 +27,7 @@ BACKGROUND = (0.1, 0.1, 0.1)
 SIZE = 16  # image side in pixels
 RADIUS_RANGE = (2.5, 5.0)  # half-extent of a shape, in pixels
 SUPERSAMPLE = 4
+DATA_VERSION = 2  # bumped whenever the drawing changes: part of the pretraining cache key
 
 
 def class_names() -> list[str]:
@@ -95,7 +96,7 @@ def sample_batch(
     scale = size / SIZE
     lo, hi = RADIUS_RANGE
     radius = (lo + (hi - lo) * torch.rand(batch_size, generator=generator)) * scale  # [B]
-    margin = radius + 0.5  # [B]
+    margin = radius + 1.0  # [B] a clear background pixel all around
     cx = margin + (size - 2 * margin) * torch.rand(batch_size, generator=generator)  # [B]
     cy = margin + (size - 2 * margin) * torch.rand(batch_size, generator=generator)  # [B]
     return render(labels, cx, cy, radius, size), labels

@@ -23,6 +23,7 @@ from grouprl.envs.rewards.loading import (
     load_reward_fn,
     score_completions,
 )
+from grouprl.envs.rewards.shapes import color_area
 from grouprl.envs.rewards.text import accuracy_reward, format_reward, length_reward, overlong_reward
 
 REWARDS: dict[str, Callable[..., RewardFn]] = {
@@ -38,6 +39,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "clip_score": clip_score,
     "pickscore": pickscore,
     "aesthetic": aesthetic,
+    "color_area": color_area,  # the shapes demo's prompt-colour area (envs/rewards/shapes.py)
 }
 
 
