@@ -53,8 +53,8 @@ def make_cfg(out_dir, model_dir, *overrides):
                  "options": {"n_train": 16, "n_eval": 2, "ops": "+", "max_value": 9}},
         "rewards": [{"name": "accuracy"}, {"name": "length", "weight": 0.1}],
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
-        "train": {"steps": 5, "lr": 1e-2},
-        "eval": {"every": 2},
+        "train": {"steps": 8, "lr": 1e-2},
+        "eval": {"every": 3},
         "checkpoint": {"every": 1, "keep_last": 2},
     }  # fmt: skip
     return validate(apply_overrides(raw, list(overrides)))
@@ -136,22 +136,24 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(
     reference, tmp_path, tiny_model_dir, reliability_counts
 ):
     rng = random.Random(20260509)
-    hooks = [(rng.choice(KILL_POINTS), rng.randint(1, 3)) for _ in range(5)]
-    delays = [rng.uniform(0.5, 3.0) for _ in range(2)]
+    # 6 distinct hook points, each at its 1st or 2nd call in that child, and 2 timer kills, in a
+    # seeded random order; each child resumes from the newest checkpoint the last one left
+    schedule = [(point, rng.randint(1, 2)) for point in rng.sample(KILL_POINTS, 6)]
+    schedule += [rng.uniform(1.0, 3.0) for _ in range(2)]
+    rng.shuffle(schedule)
     cfg = make_cfg(tmp_path, tiny_model_dir)
     ckpts = CheckpointManager(tmp_path / "run")
     killed, progress = [], []
-    for point in hooks:
-        code = run_child(cfg, point=point)
-        assert code in (-signal.SIGKILL, 0), f"child failed ({code}) at {point[0][0]}"
-        killed.append((point[0][0], point[1], code == -signal.SIGKILL))
-        progress.append(ckpts.latest().name if ckpts.latest() else None)
-    for delay in delays:
-        code = run_child(cfg, kill_after_s=delay)
-        assert code in (-signal.SIGKILL, 0)
-        killed.append((f"timer {delay:.2f} s", 0, code == -signal.SIGKILL))
+    for kill in schedule:
+        if isinstance(kill, float):
+            code, what = run_child(cfg, kill_after_s=kill), (f"timer {kill:.2f} s", 0)
+        else:
+            code, what = run_child(cfg, point=kill), (kill[0][0], kill[1])
+        assert code in (-signal.SIGKILL, 0), f"child failed ({code}) at {what}"
+        killed.append((*what, code == -signal.SIGKILL))
         progress.append(ckpts.latest().name if ckpts.latest() else None)
     assert run_child(cfg) == 0  # the last resume runs to the end
+    print("kills (point, n-th call, killed):", killed, "latest checkpoint after each:", progress)
     n_killed = sum(k for _, _, k in killed)
     reliability_counts["SIGKILLs during training, resumed exactly"] = n_killed
     assert n_killed >= 4, killed  # most hooks fire before the run ends: the test is not vacuous
@@ -184,16 +186,16 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     """A finished run whose newest checkpoint is damaged: resume warns, moves it aside, resumes
     from the one before, redoes the last step, and ends exactly like the reference run."""
     shutil.copytree(reference_dir, tmp_path / "run")
-    newest = tmp_path / "run" / "checkpoints" / "step-00000005"
+    newest = tmp_path / "run" / "checkpoints" / "step-00000008"
     DAMAGE[damage](newest)
     assert checksum_problem(newest) is not None
-    with pytest.warns(UserWarning, match="step-00000005 is damaged"):
+    with pytest.warns(UserWarning, match="step-00000008 is damaged"):
         train_mod.train(make_cfg(tmp_path, tiny_model_dir))
     out = capsys.readouterr().out
-    assert "step-00000005 is damaged" in out and "resumed from" in out and "step-00000004" in out
+    assert "step-00000008 is damaged" in out and "resumed from" in out and "step-00000007" in out
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert names[0].startswith("corrupt-step-00000005-")  # kept aside for a person to inspect
-    assert names[1:] == ["latest", "step-00000004", "step-00000005"]  # step 5 made again
+    assert names[0].startswith("corrupt-step-00000008-")  # kept aside for a person to inspect
+    assert names[1:] == ["latest", "step-00000007", "step-00000008"]  # step 8 made again
     assert_same_run(final_state(tmp_path / "run"), reference)
 
 
@@ -202,19 +204,19 @@ def test_every_kept_checkpoint_damaged_means_no_checkpoint(tmp_path, reference_d
     resume then starts the run over, as test_train's resume-before-the-first-checkpoint does)."""
     shutil.copytree(reference_dir, tmp_path / "run")
     ckpt_dir = tmp_path / "run" / "checkpoints"
-    _flip_byte(ckpt_dir / "step-00000005" / "model" / "model.safetensors")
-    (ckpt_dir / "step-00000004" / "trainer_state.pt").unlink()
+    _flip_byte(ckpt_dir / "step-00000008" / "model" / "model.safetensors")
+    (ckpt_dir / "step-00000007" / "trainer_state.pt").unlink()
     mgr = CheckpointManager(tmp_path / "run")
     with pytest.warns(UserWarning) as record:
         assert mgr.latest(verify=True) is None
     assert [str(w.message).split(":")[0] for w in record] == [
-        "checkpoint step-00000005 is damaged", "checkpoint step-00000004 is damaged",
+        "checkpoint step-00000008 is damaged", "checkpoint step-00000007 is damaged",
     ]  # fmt: skip
     assert "checksum mismatch in model/model.safetensors" in mgr.rejected[0]
     assert "incomplete" in mgr.rejected[1]
     assert mgr.latest(verify=True) is None and len(mgr.rejected) == 2  # moved aside: no new warning
     assert sorted(p.name[:21] for p in ckpt_dir.iterdir() if p.is_dir()) == [
-        "corrupt-step-00000004", "corrupt-step-00000005",
+        "corrupt-step-00000007", "corrupt-step-00000008",
     ]  # fmt: skip
 
 
