@@ -49,7 +49,10 @@ def metrics(run_dir, split="train"):
     return [r for r in rows if r["split"] == split]
 
 
-def final_state(run_dir, name="transformer/diffusion_pytorch_model.safetensors"):
+FULL = "diffusion_pytorch_model.safetensors"
+
+
+def final_state(run_dir, name="transformer/" + FULL):
     return load_file(CheckpointManager(run_dir).latest() / "model" / name)
 
 
@@ -222,10 +225,15 @@ class Crash(RuntimeError):
     pass
 
 
-def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch):
+LORA_NFT = ("model.lora={r: 4, alpha: 8, target_modules: [conv1, conv2]}",
+            "algorithm.preset=diffusion_nft", "diffusion.rollout_steps=4")  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [(), LORA_NFT], ids=["full_flow_grpo", "lora_nft"])
+def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch, variant):
     """Run B crashes in its 3rd update (after step 2's checkpoint) and resumes: weights and every
-    metric equal the uninterrupted run A's."""
-    train(module_cfg(tmp_path / "a", *RESUME))
+    metric equal the uninterrupted run A's (LoRA + DiffusionNFT: the old weights are restored too)."""
+    train(module_cfg(tmp_path / "a", *RESUME, *variant))
     real, calls = train_mod.update, []
 
     def crashing(*args, **kwargs):
@@ -236,13 +244,18 @@ def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "update", crashing)
     with pytest.raises(Crash):
-        train(module_cfg(tmp_path / "b", *RESUME))
+        train(module_cfg(tmp_path / "b", *RESUME, *variant))
     monkeypatch.setattr(train_mod, "update", real)
     assert CheckpointManager(tmp_path / "b" / "run").latest().name == "step-00000002"
-    train(module_cfg(tmp_path / "b", *RESUME, "run.resume=true"))
+    train(module_cfg(tmp_path / "b", *RESUME, *variant, "run.resume=true"))
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
-    wa, wb = final_state(a), final_state(b)
+    name = "pytorch_lora_weights.safetensors" if variant else "transformer/" + FULL
+    wa, wb = final_state(a, name), final_state(b, name)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "time"} for r in rows]  # noqa: E731
     assert strip(metrics(a)) == strip(metrics(b))
     assert strip(metrics(a, "eval")) == strip(metrics(b, "eval"))
+    if variant:  # the adapter state of the last checkpoint holds the NFT old weights, equal too
+        sa, sb = (CheckpointManager.load(CheckpointManager(r).latest())["adapter"] for r in (a, b))
+        assert any(k.startswith("old::") for k in sa) and sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
