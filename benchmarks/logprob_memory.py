@@ -1,12 +1,16 @@
-"""Peak memory and wall time of completion log-probs + entropy: chunked (grouprl) vs naive.
+"""Peak memory and wall time of completion log-probs + entropy: grouprl's paths vs naive.
 
-Both methods score the same completion tokens of the same TokenBatch under the same randomly
+Every method scores the same completion tokens of the same TokenBatch under the same randomly
 initialised Qwen2 (built from a config in code, float32, CPU), forward AND backward:
-loss = sum_{n,t} mask * logp[n, t] * advantage[n], then loss.backward().
+loss = sum_{n,t} mask * logp[n, t] * advantage[n], then loss.backward(). One table per vocabulary
+size (default 32k and 152k, Qwen's).
 
-  chunked  grouprl.policies.logprobs.completion_logprobs (what CausalLMPolicy.log_probs calls):
-           decoder hidden states, then the LM head + log-softmax + gather + entropy one chunk of
-           rows at a time under activation checkpointing.
+  fast     grouprl.policies.logprobs.completion_logprobs(path="fast"), CausalLMPolicy's default:
+           each distinct prompt once, then the fused LM head (policies/fused_head.py) over the
+           real completion tokens only, one token chunk of logits at a time, forward and back.
+  chunked  completion_logprobs(path="plain"): decoder hidden states for [prompt | completion],
+           then the LM head + log-softmax + gather + entropy one chunk of rows at a time under
+           activation checkpointing.
   naive    model(...).logits for the whole batch [N, P+T, V], cast to float32, log_softmax over
            the vocabulary, gather the taken tokens, entropy from the full log-probs (no grad).
 
@@ -16,7 +20,8 @@ RSS measured just before it (the kernel's high-water mark is reset first through
 /proc/self/clear_refs where allowed). That first run is also the warm-up; wall time is the median
 of the next 3 runs. Linux only (/proc and ru_maxrss in KiB).
 
-Run: .venv/bin/python benchmarks/logprob_memory.py [--vocab 32000 --hidden 256 --n 8 ...]
+Run: .venv/bin/python benchmarks/logprob_memory.py [--vocab 32000,152000 --hidden 256 --n 4 ...]
+(or `grouprl bench logprob-memory`). Writes logprob_memory.json and logprob_memory.png into --out.
 Not part of the test suite; nothing here asserts on time.
 """
 
@@ -30,6 +35,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,10 +122,20 @@ def _naive(model: Any, batch: Any, temperature: float, chunk_size: int | None) -
 def _chunked(model: Any, batch: Any, temperature: float, chunk_size: int | None) -> tuple:
     from grouprl.policies.logprobs import completion_logprobs
 
-    return completion_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+    return completion_logprobs(
+        model, batch, temperature=temperature, chunk_size=chunk_size, path="plain"
+    )
 
 
-METHODS = {"naive": _naive, "chunked": _chunked}
+def _fast(model: Any, batch: Any, temperature: float, chunk_size: int | None) -> tuple:
+    from grouprl.policies.logprobs import completion_logprobs
+
+    return completion_logprobs(
+        model, batch, temperature=temperature, chunk_size=chunk_size, path="fast"
+    )
+
+
+METHODS = {"naive": _naive, "chunked": _chunked, "fast": _fast}
 
 
 def _worker(method: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -179,45 +195,25 @@ def _run_fresh(method: str, args: dict[str, Any]) -> dict[str, Any]:
         return pool.submit(_worker, method, args).result()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--n", type=int, default=8, help="sequences in the batch")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--completion-len", type=int, default=512)
-    parser.add_argument(
-        "--chunk-size", type=int, default=None, help="rows per chunk (default: grouprl's sizing)"
-    )
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    a = parser.parse_args(argv)
-    if not sys.platform.startswith("linux"):
-        raise SystemExit("this benchmark reads /proc and ru_maxrss in KiB: Linux only")
-    for name in ("vocab", "hidden", "layers", "n", "prompt_len", "completion_len", "repeats"):
-        if getattr(a, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    args = vars(a)
-
-    N, P, T, V = a.n, a.prompt_len, a.completion_len, a.vocab
+def _one_vocab(args: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Every method in its own fresh process for one vocabulary size; prints its table."""
+    args = {**args, "vocab": vocab}
+    N, P, T = args["n"], args["prompt_len"], args["completion_len"]
     print(
-        f"Qwen2 fp32 CPU: vocab {V}, hidden {a.hidden}, layers {a.layers}; batch N={N}, "
-        f"prompt {P} + completion {T} tokens; temperature {a.temperature}"
+        f"Qwen2 fp32 CPU: vocab {vocab}, hidden {args['hidden']}, layers {args['layers']}; batch "
+        f"N={N}, prompt {P} + completion {T} tokens; temperature {args['temperature']}"
     )
     res = {}
-    for method in ("naive", "chunked"):
+    for method in METHODS:
         t0 = time.perf_counter()
         res[method] = _run_fresh(method, args)
         print(f"  {method}: done in {time.perf_counter() - t0:.1f} s (fresh process)", flush=True)
-
     nv, ch = res["naive"], res["chunked"]
-    rows = a.chunk_size or ch["default_rows"]
+    rows = args["chunk_size"] or ch["default_rows"]
     print(
-        f"chunk = {rows} rows{'' if a.chunk_size else ' (grouprl default)'}; "
-        f"full logits [N, P+T, V] fp32 = {N * (P + T) * V * 4 / MIB:.0f} MiB; "
-        f"one chunk [rows, T, V] fp32 = {rows * T * V * 4 / MIB:.0f} MiB"
+        f"chunked: {rows} rows per chunk{'' if args['chunk_size'] else ' (default)'}; full logits "
+        f"[N, P+T, V] fp32 = {N * (P + T) * vocab * 4 / MIB:.0f} MiB; one chunk [rows, T, V] fp32 "
+        f"= {rows * T * vocab * 4 / MIB:.0f} MiB"
     )
     med = {m: statistics.median(r["times_s"]) for m, r in res.items()}
     print()
@@ -225,18 +221,20 @@ def main(argv: list[str] | None = None) -> None:
     for m, r in res.items():
         runs = ", ".join(f"{t:.2f}" for t in r["times_s"])
         print(f"{m:<16}{r['peak_mib']:>12.0f}{med[m]:>12.2f}{runs:>26}{r['rss_before_mib']:>17.0f}")
-    print(
-        f"{'naive/chunked':<16}{nv['peak_mib'] / ch['peak_mib']:>11.2f}x"
-        f"{med['naive'] / med['chunked']:>11.2f}x"
-    )
-    print()
+    for m in ("chunked", "fast"):
+        print(
+            f"{'naive/' + m:<16}{nv['peak_mib'] / res[m]['peak_mib']:>11.2f}x"
+            f"{med['naive'] / med[m]:>11.2f}x"
+        )
     grad_scale = float(np.abs(nv["grads"]).max())
-    print(
-        f"agreement: max |logp diff| {np.abs(nv['logp'] - ch['logp']).max():.2e}, "
-        f"max |entropy diff| {np.abs(nv['entropy'] - ch['entropy']).max():.2e}, "
-        f"max |grad diff| {np.abs(nv['grads'] - ch['grads']).max():.2e} "
-        f"(max |grad| {grad_scale:.2e})"
-    )
+    for m in ("chunked", "fast"):
+        r = res[m]
+        print(
+            f"agreement {m} vs naive: max |logp diff| {np.abs(nv['logp'] - r['logp']).max():.2e}, "
+            f"max |entropy diff| {np.abs(nv['entropy'] - r['entropy']).max():.2e}, "
+            f"max |grad diff| {np.abs(nv['grads'] - r['grads']).max():.2e} "
+            f"(max |grad| {grad_scale:.2e})"
+        )
     print(f"torch {nv['torch']}, {nv['threads']} threads; peak = ru_maxrss - RSS before the run")
     for m, r in res.items():
         if not r["peak_raised"] or not r["peak_reset"]:
@@ -244,6 +242,78 @@ def main(argv: list[str] | None = None) -> None:
                 f"warning: {m}: peak mark reset {'ok' if r['peak_reset'] else 'not allowed'}, "
                 f"raised by the run: {r['peak_raised']}; its peak may be over- or under-stated"
             )
+    print()
+    return {
+        m: {
+            "peak_mib": r["peak_mib"],
+            "median_s": med[m],
+            "times_s": r["times_s"],
+            "max_abs_logp_diff_vs_naive": float(np.abs(nv["logp"] - r["logp"]).max()),
+            "max_abs_grad_diff_vs_naive": float(np.abs(nv["grads"] - r["grads"]).max()),
+        }
+        for m, r in res.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", default="32000,152000", help="comma list of vocabulary sizes")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--n", type=int, default=4, help="sequences in the batch")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--completion-len", type=int, default=256)
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="rows per chunk (default: grouprl's sizing)"
+    )
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    a = parser.parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("this benchmark reads /proc and ru_maxrss in KiB: Linux only")
+    vocabs = [int(v) for v in a.vocab.split(",") if v.strip()]
+    for name in ("hidden", "layers", "n", "prompt_len", "completion_len", "repeats"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not vocabs or min(vocabs) < 2:
+        raise SystemExit(f"--vocab must list sizes >= 2, got {a.vocab!r}")
+    args = {k: v for k, v in vars(a).items() if k not in ("vocab", "out")}
+    results = {str(v): _one_vocab(args, v) for v in vocabs}
+    _write(a.out, results, args)
+
+
+def _write(out: Path, results: dict[str, Any], args: dict[str, Any]) -> None:
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logprob_memory.json").write_text(
+        json.dumps({"settings": args, "results": results}, indent=2) + "\n"
+    )
+    vocabs = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6))
+    for ax, key, label in ((axes[0], "peak_mib", "peak MiB"), (axes[1], "median_s", "median s")):
+        for j, m in enumerate(METHODS):
+            xs = [i + (j - 1) * 0.27 for i in range(len(vocabs))]
+            ax.bar(xs, [results[v][m][key] for v in vocabs], 0.27, label=m)
+        ax.set_xticks(range(len(vocabs)), [f"vocab {v}" for v in vocabs])
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"completion log-probs fwd+bwd, N={args['n']}, prompt {args['prompt_len']} + completion "
+        f"{args['completion_len']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(out / "logprob_memory.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'logprob_memory.json'} and {out / 'logprob_memory.png'}")
 
 
 if __name__ == "__main__":

@@ -145,10 +145,11 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "fast", "vllm"] = Field(
-        "hf",
-        description="Generation backend: hf (transformers generate), fast (grouprl's decode loop "
-        "on the same model: prompt prefilled once per group, same distribution) or vllm.",
+    engine: Literal["fast", "hf", "vllm"] = Field(
+        "fast",
+        description="Generation backend: fast (grouprl's decode loop on the trained model: prompt "
+        "prefilled once per group, exact sampling log-probs), hf (transformers generate, same "
+        "distribution) or vllm (in-process).",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
