@@ -24,15 +24,23 @@ from grouprl.run_state import save_checkpoint
 from grouprl.train import NonFiniteLossError, train
 from grouprl.types import LossOutput
 
+PARITY = (
+    "def parity(completions, **_):\n    return [float(sum(map(ord, c)) % 2) for c in completions]\n"
+)
+
 
 def make_cfg(out_dir, model_dir, *overrides):
+    """Tiny run; the parity reward gives most groups contrast, so every clean step moves weights."""
+    reward_file = out_dir / "parity.py"
+    reward_file.parent.mkdir(parents=True, exist_ok=True)
+    reward_file.write_text(PARITY)
     raw = {
         "run": {"name": "run", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
                 "console": False},
         "model": {"name_or_path": str(model_dir)},
         "task": {"name": "arithmetic",
                  "options": {"n_train": 16, "n_eval": 4, "ops": "+", "max_value": 9}},
-        "rewards": [{"name": "accuracy"}, {"name": "length", "weight": 0.1}],
+        "rewards": [{"name": "accuracy"}, {"name": f"{reward_file}:parity", "weight": 0.5}],
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
         "train": {"steps": 5, "lr": 1e-3},
         "checkpoint": {"every": 1, "keep_last": 10},
