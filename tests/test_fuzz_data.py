@@ -187,3 +187,11 @@ def test_reserved_column_names_fail_at_load_time(tmp_path, column):
     path.write_text(json.dumps({"question": "1+1?", "answer": "2", column: 0}) + "\n")
     with pytest.raises(ValueError, match=rf"columns \['{column}'\] of .* clash with names"):
         build_task("math", source=str(path))
+
+
+def test_a_template_column_missing_from_one_row_names_the_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"question": "a", "answer": "1", "x": "hint"}, {"question": "b", "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"row 1 of .*cannot be filled \(KeyError: 'x'\)"):
+        build_task("math", source=str(path), prompt_template="Q: {question} {x}")

@@ -175,7 +175,14 @@ def to_examples(
                 f"math task: row {i} of {source!r} has no usable {question_column!r} / "
                 f"{answer_column!r} (answer_format={answer_format!r}): {str(raw)[:80]!r}"
             )
-        text = prompt_template.format(**{**row, "question": question})
+        try:
+            text = prompt_template.format(**{**row, "question": question})
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
+            # e.g. a column the template names is missing from this row (present in others)
+            raise ValueError(
+                f"math task: row {i} of {source!r}: prompt_template={prompt_template!r} cannot "
+                f"be filled ({type(exc).__name__}: {exc})"
+            ) from None
         prompt: str | list[dict[str, str]] = text
         if system_prompt is not None:
             prompt = [
