@@ -165,8 +165,9 @@ def test_non_finite_loss_is_reported(capsys, config_file, tmp_path, monkeypatch)
         return LossOutput(loss=res.loss * math.nan, metrics=res.metrics)
 
     monkeypatch.setattr(train_mod, "total_loss", nan_loss)
-    status, _, err = run_cli(capsys, "train", config_file)
-    assert_one_clear_error(status, err, "non-finite loss", "no checkpoint was written")
+    # each NaN update is skipped; max_nonfinite_steps in a row stop the run (here the first)
+    status, _, err = run_cli(capsys, "train", config_file, "train.max_nonfinite_steps=1")
+    assert_one_clear_error(status, err, "non-finite loss", "no non-finite value was saved")
     ckpts = tmp_path / "runs" / "run" / "checkpoints"
     assert not any(p.name.startswith("step-") for p in ckpts.iterdir())
 
