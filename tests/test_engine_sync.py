@@ -13,7 +13,12 @@ import torch
 from grouprl.config import ConfigError, apply_overrides, validate
 from grouprl.policies.causal_lm import CausalLMPolicy
 from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines.sync import engine_mismatch, push_weights, step_mismatch
+from grouprl.rollouts.engines.sync import (
+    engine_mismatch,
+    push_weights,
+    release_engine,
+    step_mismatch,
+)
 from grouprl.rollouts.engines.vllm import engine_state_dict, prompt_runs
 from grouprl.types import Rollout
 
@@ -94,6 +99,14 @@ def test_engine_state_dict_full_lora_and_errors():
         engine_state_dict([1, 2])
 
 
+def test_release_engine_lets_a_sleeping_engine_sleep():
+    slept = []
+    release_engine(SimpleNamespace(engine=SimpleNamespace(sleep=lambda: slept.append(1))))
+    assert slept == [1]
+    release_engine(SimpleNamespace(engine=SimpleNamespace()))  # HF engine: no sleep
+    release_engine(SimpleNamespace())  # no text engine
+
+
 def test_push_weights_hands_the_model_to_the_engine():
     got = []
     engine = SimpleNamespace(load_weights=got.append)
@@ -108,7 +121,7 @@ def test_hf_engine_run_logs_mismatch_near_zero(tmp_path, tiny_model_dir):
         "run": {"name": "hf", "output_dir": str(tmp_path), "device": "cpu", "console": False},
         "model": {"name_or_path": str(tiny_model_dir)},
         "task": {"name": "arithmetic", "options": {"n_train": 8, "n_eval": 2, "max_value": 9}},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "rollout": {"engine": "hf", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
         "train": {"steps": 1},
     }  # fmt: skip
     from grouprl.train import train

@@ -162,6 +162,29 @@ def test_greedy_matches_hf_engine(policy, engine):
     assert gap < TOL  # temperature 1: both are log softmax(logits)
 
 
+def test_sleep_wake_sequence_through_vllm(policy, engine):
+    """The GPU sleep path's calls, made on this CPU build (where vLLM's worker ignores them): the
+    engine records which memory sleeps, a push wakes the weights only, generate the rest."""
+    from grouprl.rollouts.engines.vllm import VLLMEngine
+
+    calls = []
+    llm = engine.llm
+    real = {k: getattr(llm, k) for k in ("sleep", "wake_up")}
+    llm.sleep = lambda level: (calls.append(("sleep", level)), real["sleep"](level=level))
+    llm.wake_up = lambda tags: (calls.append(("wake", tags)), real["wake_up"](tags=tags))
+    try:
+        sleepy = VLLMEngine(llm, engine.eos_ids, seed=0, sleep_level=2)
+        sleepy.sleep()
+        sleepy.sleep()  # already asleep: no second call
+        perturb(policy.model)
+        sleepy.load_weights(policy.model)
+        r = policy.sample(["12+3=", "7+8="], 2, SamplingParams(max_new_tokens=8), engine=sleepy)
+    finally:
+        del llm.sleep, llm.wake_up
+    assert calls == [("sleep", 2), ("wake", ["weights"]), ("wake", ["kv_cache"])]
+    assert trainer_gap(policy, r, 1.0) < TOL
+
+
 def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

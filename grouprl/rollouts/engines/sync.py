@@ -1,7 +1,8 @@
 """Keeping the rollout engine in step with the trainer: weight pushes and mismatch metrics.
 
 `push_weights(policy)` hands the engine the trainer's current weights (a no-op for the HF engine,
-which samples with the trainer's own model). `step_mismatch` measures, once per step over the whole
+which samples with the trainer's own model); `release_engine(policy)` lets a vLLM engine sleep
+(GPU, rollout.vllm.sleep) while the trainer updates. `step_mismatch` measures, once per step over the whole
 batch, how far the engine's log-probs are from the trainer's for the same tokens.
 
 The engine samples with its own numerics (vLLM kernels, KV cache, maybe another dtype) while the
@@ -38,6 +39,13 @@ def push_weights(policy: Any) -> None:
     engine = getattr(policy, "engine", None)
     if engine is not None:
         engine.load_weights(policy.model)
+
+
+def release_engine(policy: Any) -> None:
+    """A step's rollouts are done: let an engine that can sleep free its memory for training."""
+    sleep = getattr(getattr(policy, "engine", None), "sleep", None)
+    if sleep is not None:
+        sleep()
 
 
 def step_mismatch(cfg: Any, rollout: Rollout) -> dict[str, float]:

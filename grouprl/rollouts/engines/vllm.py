@@ -27,10 +27,11 @@ The contract is HFEngine's (see hf.py / base.py), with these choices and deviati
   in place (`reload_weights` through `collective_rpc`); a peft model is merged into a copy first
   (the live adapter is untouched). The prefix cache is then reset: cached KV blocks were computed
   with the old weights.
-- Sleep (GPU only, not testable on CPU): with `sleep_level` 1 or 2 the engine sleeps after every
-  `generate` call, giving its GPU memory back to training, and wakes before the next one
-  (level 2 discards the weights, so they must be pushed before generating again; the engine wakes
-  only its weight memory to receive them).
+- Sleep (GPU only, not testable on CPU): with `sleep_level` 1 or 2, `sleep()` (called by the
+  trainer once a step's rollouts are done) frees vLLM's GPU memory for the update: level 1 offloads
+  the weights to CPU memory, level 2 drops them, both drop the KV cache. A weight push wakes only
+  the weight memory to receive the new weights; the next `generate` wakes the rest. Nothing else
+  may use the engine while it sleeps (one-step-off async generation needs sleep "off").
 """
 
 from __future__ import annotations
@@ -141,8 +142,10 @@ class VLLMEngine:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
 
-    def _sleep(self) -> None:
-        if self.sleep_level:
+    def sleep(self) -> None:
+        """Rollouts are done for this step: with a sleep level, free vLLM's GPU memory for
+        training (the next push or generate wakes what it needs); without one, nothing."""
+        if self.sleep_level and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
 
@@ -177,10 +180,7 @@ class VLLMEngine:
         requests = [self._request_params(params, n, seeds[s], greedy) for s, n in runs]
         prompts = [{"prompt_token_ids": list(prompt_token_ids[s])} for s, _ in runs]
         self._wake()
-        try:
-            results = self.llm.generate(prompts, requests, use_tqdm=False)
-        finally:
-            self._sleep()
+        results = self.llm.generate(prompts, requests, use_tqdm=False)
         out = GenerationOutput([], [], [])
         for (start, count), result in zip(runs, results):
             completions = sorted(result.outputs, key=lambda o: o.index)

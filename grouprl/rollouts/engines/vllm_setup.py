@@ -171,6 +171,12 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
             "processes (WORLD_SIZE), which is not supported yet: use rollout.engine 'hf' there"
         )
     m, v = cfg.model, cfg.rollout.vllm
+    async_mode = getattr(cfg.train, "async_mode", "off")
+    if v.sleep != "off" and async_mode != "off":
+        raise ValueError(
+            f"rollout.vllm.sleep={v.sleep!r} with train.async_mode={async_mode!r}: generation "
+            "overlaps the update there, so the engine cannot sleep during it; use sleep 'off'"
+        )
     settings = VLLMSettings(
         model=m.name_or_path,
         dtype=m.dtype,
