@@ -203,6 +203,8 @@ def build_model_dir(directory: Path, name: str, seed: int = 0, max_position: int
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    (directory.parent / ".gitignore").write_text("*\n")  # model weights never go into git
     tokenizer = wide_char_tokenizer(spec["vocab"])
     model = tiny_qwen2(
         tokenizer,

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     python = a.python or C.bench_python()
+    C.worker_setup(a.threads)  # the warm-up (if not cached yet) runs in this process
     info = C.machine_info(a.threads)
     print(f"machine: {C.describe_machine(info)}")
     model_dir = warmup_dir()

@@ -256,6 +256,30 @@ def test_policy_and_config_select_the_engine(tiny_model_dir):
         CausalLMPolicy(tiny_qwen2(char_tokenizer()), char_tokenizer(), engine="nope")
 
 
+def test_engine_log_probs_equal_the_trainers_under_lora():
+    """The engine runs the adapters (they are injected into the base model it calls)."""
+    from grouprl.policies.causal_lm import CausalLMPolicy
+
+    tok = char_tokenizer()
+    policy = CausalLMPolicy(
+        tiny_qwen2(tok, seed=5), tok, engine="fast",
+        lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    )  # fmt: skip
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    torch.manual_seed(0)
+    rollout = policy.sample(["ab", "xyz"], 3, SamplingParams(max_new_tokens=8))
+    with torch.no_grad():
+        trainer = policy.log_probs(rollout.actions, with_entropy=False).logp  # [N, T]
+        with policy.model.disable_adapter():
+            base = policy.log_probs(rollout.actions, with_entropy=False).logp  # [N, T]
+    m = rollout.mask
+    torch.testing.assert_close(rollout.engine_logp[m], trainer[m], atol=2e-5, rtol=0)
+    assert (rollout.engine_logp[m] - base[m]).abs().max() > 1e-3  # the adapters matter
+
+
 # ---- fused LM head ----------------------------------------------------------------------------
 
 
