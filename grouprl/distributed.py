@@ -225,7 +225,8 @@ class Dist:
         """Wrap the policy's model for this backend (DDP, FSDP2, DeepSpeed through accelerate)."""
         if self.backend is None:
             return policy, optimizer
-        module = ScoringModule(policy.model, policy.logprob_chunk_size, policy.logprob_path)
+        path = getattr(self.backend, "scoring_path", policy.logprob_path)  # sharded: "plain"
+        module = ScoringModule(policy.model, policy.logprob_chunk_size, path)
         module, optimizer = self.backend.wrap(policy, module, optimizer)
         return DistributedPolicy(policy, module, self.backend), optimizer
 

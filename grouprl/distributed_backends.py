@@ -14,13 +14,15 @@ state-dict gather; the sharded model only trains. Memory: one full model per pro
 shards (what gathering the parameters to generate would take anyway); at the scale where that does
 not fit, generation belongs to an engine with its own weights (rollout.engine vllm).
 
-Not testable on this CPU machine (no GPU, no deepspeed package; accelerate runs FSDP on GPUs only):
-the fsdp2 and deepspeed paths are written against accelerate 1.15 / torch 2.13 APIs but have not
-been run. Known limits: LoRA is refused with fsdp2 / ZeRO-3 (adapter merging on sharded weights is
-not written); with DeepSpeed the optimizer step happens inside DeepSpeed (gradient clipping from the
-DeepSpeed config, `train.max_grad_norm` unused, no non-finite skip of ours), and checkpoints hold
-the full weights but not DeepSpeed's optimizer partitions / fp32 master weights, so `run.resume`
-refuses a DeepSpeed run (start a new run from the saved weights instead).
+What was run here (CPU, gloo): ddp end to end (tests/test_distributed.py); fsdp2 end to end through
+accelerate's real FSDP2 preparation with the distributed type forced to FSDP on CPU processes
+(accelerate itself runs FSDP on GPUs only; the slow test in tests/test_distributed.py): 2 processes
+match 1 to 2e-6 and a 2-process checkpoint resumes on 1. Not run: DeepSpeed (no deepspeed package,
+no GPU), FSDP2 on GPUs / NCCL. Known limits: LoRA is refused with fsdp2 / ZeRO-3 (adapter merging
+on sharded weights is not written); with DeepSpeed the optimizer step happens inside DeepSpeed
+(gradient clipping from the DeepSpeed config, `train.max_grad_norm` unused, no non-finite skip of
+ours), and checkpoints hold the full weights but not DeepSpeed's optimizer partitions / fp32 master
+weights, so `run.resume` refuses a DeepSpeed run (start a new run from the saved weights instead).
 """
 
 from __future__ import annotations
@@ -69,7 +71,13 @@ class DDP:
 
 
 class _PlainCopy:
-    """A full, unsharded copy of the model for generation and saving (see module docstring)."""
+    """A full, unsharded copy of the model for generation and saving (see module docstring).
+
+    Sharded backends score with the "plain" log-prob path: the "fast" one runs the decoder once
+    per group of identical prompts, a count that differs between processes, and every process
+    must run the same sequence of parameter gathers / reduce-scatters."""
+
+    scoring_path = "plain"
 
     def attach(self, policy: Any) -> None:
         from grouprl.policies.causal_lm import LOCAL_ENGINES
@@ -126,13 +134,20 @@ class FSDP2(_PlainCopy):
         set_model_state_dict(self.module, full, options=StateDictOptions(full_state_dict=True))
 
     def optimizer_state(self) -> dict:
+        """The full AdamW state in torch's own layout (parameters numbered in optimizer order),
+        the layout one process and DDP save: checkpoints resume across backends and counts."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.module, self.raw_optimizer, options=opts)
+        by_name = get_optimizer_state_dict(self.module, self.raw_optimizer, options=opts)
+        if not by_name:  # cpu_offload: only the main process receives the state
+            return {"state": {}, "param_groups": []}
+        index = {name: i for i, name in enumerate(self._names())}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+        return {"state": {index[n]: v for n, v in by_name["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -140,8 +155,19 @@ class FSDP2(_PlainCopy):
             set_optimizer_state_dict,
         )
 
+        names = self._names()
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+        by_name = {
+            "state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": groups,
+        }
         opts = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self.module, self.raw_optimizer, state, options=opts)
+        set_optimizer_state_dict(self.module, self.raw_optimizer, by_name, options=opts)
+
+    def _names(self) -> list[str]:
+        """Parameter names (as torch.distributed.checkpoint writes them) in optimizer order."""
+        name_of = {id(p): n for n, p in self.module.named_parameters()}
+        return [name_of[id(p)] for g in self.raw_optimizer.param_groups for p in g["params"]]
 
 
 class DeepSpeed(_PlainCopy):
