@@ -59,7 +59,7 @@ def check_async(cfg: Any, world: int) -> None:
         "several processes (accelerate launch)": world > 1,
         "rollout.engine 'vllm'": cfg.rollout.engine == "vllm",
         "task 'env' (agents)": cfg.task.name == "env",
-        "image / video policies": getattr(cfg.model, "type", "causal_lm") != "causal_lm",
+        "image / video policies": cfg.model.type != "causal_lm",
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
     }
     bad = [name for name, hit in refusals.items() if hit]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -60,7 +61,6 @@ from grouprl.checkpoint import (
 )
 from grouprl.distributed_model import DistributedPolicy, ScoreView, ScoringModule, _rows
 from grouprl.rollouts.engines.seeded import sample_seed
-from grouprl.rollouts.filters import cat_rollouts
 from grouprl.types import Rollout
 
 _EMPTY = torch.empty(0, dtype=torch.long)  # a padding micro-batch (see module docstring)
@@ -133,7 +133,7 @@ class Dist:
         finally:
             restore_rng(rng)
         parts = self.all_gather_object(part)
-        return cat_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
+        return join_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
 
     # ---- scoring and the update -----------------------------------------------------------------
 
@@ -256,6 +256,11 @@ def setup(cfg: Any) -> Dist:
     accelerator = Accelerator(cpu=cpu)
     dist = Dist(cfg.run.seed, accelerator, None)
     dist.backend = backend_for(cfg, dist)
+    if cfg.model.type != "causal_lm":
+        raise ValueError(
+            f"several processes (WORLD_SIZE={dist.world}) train text policies only for now; "
+            f"model.type {cfg.model.type!r} runs in one process (plain `grouprl train`)"
+        )
     if cfg.rollout.prompts_per_step < dist.world:
         raise ValueError(
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} < {dist.world} processes: "
@@ -331,6 +336,37 @@ def _fill(units: list[Tensor], size: int | None) -> list[Tensor]:
         current.append(unit)
     out.append(torch.cat(current))
     return out
+
+
+# per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
+# has the same width in every part
+_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
+                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
+
+
+def join_rollouts(parts: list[Rollout]) -> Rollout:
+    """The processes' rollouts as one batch along N: per-token fields right-padded to the widest
+    T with their own padding (step_ids -1: no turn), TokenBatch re-padded, lists and dicts joined."""
+    width = max(p.mask.shape[1] for p in parts)
+
+    def join(name: str, values: list) -> Any:
+        first = values[0]
+        if first is None:
+            return None
+        if isinstance(first, Tensor):
+            if name in _TOKEN_FIELDS and first.dim() == 2:
+                pad = _TOKEN_FIELDS[name]
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
+                          for v in values]  # fmt: skip  # [n, width]
+            return torch.cat(values)
+        if isinstance(first, list):
+            return [x for v in values for x in v]
+        if isinstance(first, dict):
+            return {k: join(k, [v[k] for v in values]) for k in first}
+        return type(first).cat(values)  # the policy payload (TokenBatch)
+
+    names = [f.name for f in fields(Rollout)]
+    return Rollout(**{n: join(n, [getattr(p, n) for p in parts]) for n in names})
 
 
 def _local(item: Any) -> Any:

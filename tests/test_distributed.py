@@ -27,12 +27,12 @@ from safetensors.torch import load_file
 from grouprl.batching import split_batch
 from grouprl.checkpoint import CheckpointManager
 from grouprl.config import apply_overrides, validate
-from grouprl.distributed import SINGLE, Dist, NullLogger, _fill
+from grouprl.distributed import SINGLE, Dist, NullLogger, _fill, join_rollouts
 from grouprl.policies.causal_lm import CausalLMPolicy
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.engines.seeded import SeededChoice, group_seeds, sample_seed
 from grouprl.train import train
-from grouprl.types import Rollout
+from grouprl.types import Rollout, TokenBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
@@ -145,6 +145,26 @@ def test_padding_is_a_real_row_trained_with_weight_zero():
     d.select(rollout, torch.tensor([2, 3]))
     d.backward(torch.tensor(3.0))
     assert seen == [0.0, 6.0]  # x 0 for padding, x world otherwise (gradient averaging undone)
+
+
+def test_join_rollouts_pads_each_field_with_its_own_value():
+    def part(n, t, group):
+        batch = TokenBatch(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.bool),
+                           torch.ones(n, t, dtype=torch.long), torch.ones(n, t, dtype=torch.bool),
+                           torch.zeros(n, dtype=torch.bool))  # fmt: skip
+        return Rollout(
+            torch.full((n,), group), {"r": torch.ones(n)}, batch, torch.ones(n, t),
+            torch.ones(n, t, dtype=torch.bool), step_ids=torch.zeros(n, t, dtype=torch.long),
+            step_rewards=torch.ones(n, 4), anchor_keys=[["a"]] * n, info={"x": [group] * n},
+        )  # fmt: skip
+
+    joined = join_rollouts([part(1, 2, 0), part(2, 3, 1)])
+    assert joined.group_ids.tolist() == [0, 1, 1] and joined.rewards["r"].shape == (3,)
+    assert joined.step_ids[0].tolist() == [0, 0, -1]  # -1: no turn, not turn 0
+    assert joined.mask[0].tolist() == [True, True, False] and joined.old_logp[0, 2] == 0
+    assert joined.step_rewards.shape == (3, 4)  # per-turn, not per-token: never padded
+    assert joined.actions.completion_ids.shape == (3, 3) and joined.info["x"] == [0, 1, 1]
+    assert joined.anchor_keys == [["a"]] * 3
 
 
 def test_fill_packs_whole_units_like_batching():
