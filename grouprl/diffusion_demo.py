@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(CONFIG), help="the RL config (YAML)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     args = parser.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     console = Console()
     t_start = time.time()
     cfg = load_config(args.config, args.overrides)
+    torch.set_num_threads(cfg.run.num_threads or min(2, torch.get_num_threads()))  # pretraining too
     settings = PretrainSettings(steps=args.pretrain_steps, seed=cfg.run.seed)
     weights = cached_pretrain(settings, cfg.run.output_dir, log=console.print)
     t_pre = time.time() - t_start
