@@ -201,7 +201,7 @@ def test_grid_has_a_row_per_prompt(tmp_path):
     path = save_grid(imgs, ["a", "a", "b", "b", "c"], tmp_path / "g.png")
     grid = Image.open(path)
     assert grid.size == (8 + 7 + 2 * (64 + 2), 3 * (64 + 2))
-    tile = torch.from_numpy(np.asarray(grid.crop((15, 0, 15 + 64, 64)))).float()
+    tile = torch.from_numpy(np.array(grid.crop((15, 0, 15 + 64, 64)))).float()
     first = (imgs[0].permute(1, 2, 0) * 255).round().repeat_interleave(4, 0).repeat_interleave(4, 1)
     assert torch.equal(tile.view(64, 64, 3), first)  # nearest upscaling of image 0
 

@@ -99,7 +99,7 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
     if d.adv_clip_max is not None:
         metrics["advantage/clipped_frac"] = float((adv.abs() > d.adv_clip_max).float().mean())
         adv = adv.clamp(-d.adv_clip_max, d.adv_clip_max)  # [N]
-    rollout.advantages = adv
+    rollout.advantages = adv.to(rollout.old_logp.device)  # rewards are scored on the CPU
     total = combined_reward(rollout.rewards, weights)  # [N]
     metrics["reward/mean"] = float(torch.nanmean(total))
     metrics["reward/std"] = float(batch_std(total, ~total.isnan()))

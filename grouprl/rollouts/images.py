@@ -138,7 +138,8 @@ def collect(
     else:
         rollout = policy.sample(cond, g, **kwargs)
     if likelihood_free(cfg):
-        rollout.mask = lf_mask(cfg, len(rollout), rollout.actions.num_steps)  # [N, K]
+        mask = lf_mask(cfg, len(rollout), rollout.actions.num_steps)  # [N, K]
+        rollout.mask = mask.to(rollout.old_logp.device)
     repeated = [ex for ex in examples for _ in range(g)]  # one example per image
     images = policy.decode(rollout.actions.final)  # [N, 3, H, W] in [0, 1]
     rollout.rewards, errors = score_images(reward_fns, images, repeated,

@@ -52,7 +52,7 @@ def color_area(tolerance: float = 0.25, target_column: str = "target_rgb") -> Re
     def color_area_reward(images: Any, **columns: Any) -> list[float | None]:
         x = as_image_tensor(images)  # [N, 3, ...]
         targets = column(columns, target_column, x.shape[0], "color_area")
-        rgb = torch.tensor([list(map(float, t)) for t in targets])  # [N, 3]
+        rgb = torch.tensor([list(map(float, t)) for t in targets], device=x.device)  # [N, 3]
         rgb = rgb.view(x.shape[0], 3, *([1] * (x.dim() - 2)))  # [N, 3, 1, ...]
         dist = (x - rgb).norm(dim=1)  # [N, ...]
         score = torch.exp(-((dist / tolerance) ** 2)).flatten(1).mean(1)  # [N]
