@@ -145,7 +145,12 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         net, vae, sched, cls_name = _pipeline_parts(
             m, "unet" if m.type == "unet" else "transformer"
         )
-        frames = d.num_frames if cls_name == "WanTransformer3DModel" else None
+        video = cls_name == "WanTransformer3DModel"
+        if d.num_frames != 1 and not video:
+            raise ValueError(
+                f"diffusion.num_frames={d.num_frames} needs a video model; {cls_name} draws images"
+            )
+        frames = d.num_frames if video else None
         shape = latent_shape_for(net, vae, d.height, d.width, frames)
         encoder = PromptEncoder.from_pretrained(
             m.name_or_path, "unet" if m.type == "unet" else _family_name(net),
