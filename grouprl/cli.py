@@ -31,6 +31,7 @@ BENCHMARKS = {
     "hardware-limit": "hardware_limit.py",
     "logprob-memory": "logprob_memory.py",
     "flow-step": "flow_step.py",
+    "engines-hf-vs-vllm": "engines_hf_vs_vllm.py",
 }
 
 
