@@ -38,6 +38,10 @@ process's, which equal every process's; every process loads the same files (the 
 be on a filesystem all processes see), so a run resumes on any process count. With per_sample
 seeding it continues with the same samples; with global seeding process r's generation stream is
 seeded from (seed, round, r), so the samples after a resume on another count differ (same law).
+
+Not split yet: held-out evaluation (every process evaluates the whole set, identically; only the
+main process logs it). Agents (task env) sample with the forked global RNG, so their episodes
+depend on the process count. Image / video policies are refused under several processes.
 """
 
 from __future__ import annotations

@@ -323,9 +323,9 @@ def train(cfg: Config) -> dict[str, Any]:
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 save_checkpoint(ckpts, step, policy, optimizer, scheduler,
                                 rollouts.saved_sampler(sampler), before)  # fmt: skip
+        rollouts.close()  # one_step_off: no batch is in flight after the last step
         # the last step's checkpoint is written once, after the final evaluation, holding its
         # result: a crash in between redoes the last step; a finished run resumed does nothing
-        rollouts.close()
         if after is None:
             after = run_eval(step)
             save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after)
