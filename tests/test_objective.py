@@ -184,7 +184,7 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
     ent0 = torch.rand(n, t, generator=g, dtype=F64)
     adv = torch.randn(n, generator=g, dtype=F64)
     settings = {**preset_settings(name), "kl_coef": 0.05, "kl_mode": "loss", "entropy_coef": 0.01}
-    if settings["surrogate"] != "tpo":  # TPO scores whole sequences: it refuses token weights
+    if settings.get("surrogate") != "tpo":  # TPO scores whole sequences: it refuses token weights
         settings["engine_correction"] = "token_truncate"
     algo = _algo(**settings)
     group_ids = torch.tensor([0, 0, 1, 2, 2, 2])  # the micro-batches below hold whole groups
