@@ -59,3 +59,22 @@ def test_env_task_seeds_are_disjoint_and_bad_env_fails_clearly():
     assert len(train_seeds) == 5 and train_seeds.isdisjoint(ex["seed"] for ex in task.eval)
     with pytest.raises(Exception, match="NoSuchEnv"):
         build_task("env", env_id="grouprl/NoSuchEnv-v0")
+
+
+def test_sampled_evaluation_reports_success_and_pass_at_k(tmp_path, tiny_model_dir):
+    """eval.pass_k = k adds k sampled episodes per held-out seed: their mean success and pass@k,
+    both fractions, pass@k >= the mean (some of k succeeded vs the average of the k)."""
+    result = train(make_cfg(tmp_path, tiny_model_dir, "eval.pass_k=3", "train.steps=1"))
+    for when in ("before", "after"):
+        m = result[when]
+        assert 0.0 <= m["sampled_success"] <= m["pass@3"] <= 1.0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/pass@3" in r for r in rows)
+
+
+def test_short_system_prompt_option(tmp_path):
+    from grouprl.envs.gym import make_text_env
+
+    env = make_text_env("grouprl/FrozenLake-v0", system_prompt="Walk to G.")
+    assert env.unwrapped.system_prompt == "Walk to G."
+    assert "FrozenLake" in make_text_env("grouprl/FrozenLake-v0").unwrapped.system_prompt

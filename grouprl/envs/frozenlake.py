@@ -81,6 +81,8 @@ class TextFrozenLakeEnv(TextEnvWrapper):
     size:        side of the random map
     frozen_prob: probability that a random-map tile is frozen (not a hole)
     max_steps:   truncate after this many turns (invalid turns included)
+    system_prompt: replaces the default instructions (e.g. a short one for a tiny model: every
+                 prompt character is a token the model reads on every turn)
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class TextFrozenLakeEnv(TextEnvWrapper):
         size: int = 4,
         frozen_prob: float = 0.8,
         max_steps: int = 20,
+        system_prompt: str | None = None,
         render_mode: str | None = None,
     ) -> None:
         if map_name not in ("4x4", "8x8"):
@@ -113,7 +116,7 @@ class TextFrozenLakeEnv(TextEnvWrapper):
             inner,
             render_frozenlake,
             ACTIONS,
-            system_prompt=prompt,
+            system_prompt=prompt if system_prompt is None else system_prompt,
             anchor_fn=frozenlake_anchor,
             max_steps=max_steps,
             max_obs_chars=len(rows) * (len(rows[0]) + 1),

@@ -90,7 +90,9 @@ def evaluate(
     cfg: Any, policy: Any, examples: list[dict], params: SamplingParams, *, n_samples: int = 3
 ) -> tuple[dict[str, float], list[dict]]:
     """Greedy episodes from the held-out seeds: success rate, mean return, turns, invalid actions;
-    rows = the first `n_samples` transcripts for samples.md."""
+    with eval.pass_k = k > 0 also k sampled episodes per seed (the rollout temperature):
+    `sampled_success` (their mean) and `pass@k` (some episode of the seed succeeded).
+    rows = the first `n_samples` greedy transcripts for samples.md."""
     rollout = collect(cfg, policy, examples, params, group_size=1, greedy=True)
     m = episode_metrics(rollout, prefix="x")
     metrics = {
@@ -99,6 +101,12 @@ def evaluate(
         "turns": m["x/turns"],
         "invalid_actions": m["x/invalid_actions"],
     }
+    k = cfg.eval.pass_k
+    if k > 0:
+        sampled = collect(cfg, policy, examples, params, group_size=k)
+        success = torch.tensor(sampled.info["success"], dtype=torch.float32).view(-1, k)  # [S, k]
+        metrics["sampled_success"] = float(success.mean())
+        metrics[f"pass@{k}"] = float(success.amax(-1).mean())
     rows = [
         {"seed": ex["seed"], "transcript": t, "success": float(s)}
         for ex, t, s in zip(examples, rollout.info["transcript"], rollout.info["success"])
