@@ -65,8 +65,14 @@ def rollout_step(
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
         if is_agent(cfg):  # multi-turn episodes: the environment gives the rewards
-            return dist.gather_groups(examples, first_id, lambda part, first: (episodes.collect(
-                cfg, policy, part, params, group_size=r.group_size, first_group_id=first), {}))[0]
+
+            def episodes_of(part: list[dict], first: int) -> tuple[Rollout, dict]:
+                got = episodes.collect(
+                    cfg, policy, part, params, group_size=r.group_size, first_group_id=first
+                )
+                return got, {}  # no reward-function errors: the env gives the rewards
+
+            return dist.gather_groups(examples, first_id, episodes_of)[0]
         if is_images(cfg):  # images / video: flow or DDIM policy, image rewards
             rollout, errors = images.collect(
                 cfg, policy, examples, reward_fns, first_group_id=first_id,
