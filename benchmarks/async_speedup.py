@@ -17,7 +17,11 @@ timed steps; a step's time is the gap between consecutive train lines of metrics
 scoring, advantages, the update, logging). Reported per mode: the median step time over all timed
 steps of all runs; for one_step_off also the worker's time per batch (async/rollout_s, generation
 + rewards + the old_logp scoring) and the trainer's wait for it (async/wait_s). The ideal speedup
-of a perfect overlap is (generate + update) / max(generate, update).
+of a perfect overlap is (generate + update) / max(generate, update). Two controls, measured before
+and after the runs: two processes, and two threads of one process, doing the same single-threaded
+matmuls at once vs one after the other: how much parallel compute the machine gave each (2.0: two
+free cores). `--async-worker` (train.async_worker): the worker is a forked process (default) or a
+thread of the trainer's process, which the threads control then bounds.
 
     .venv/bin/python benchmarks/async_speedup.py
     .venv/bin/python benchmarks/async_speedup.py --steps 4 --reps 1 --engine fast --threads 2
@@ -46,6 +50,39 @@ def digit_reward(completions: list[str], **_: Any) -> list[float]:
     return C.digit_reward(completions)
 
 
+def _matmuls(_: Any = None) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.randn(768, 768)
+    for _ in range(80):
+        x @ x
+
+
+def parallel_capacity(kind: str) -> float:
+    """Control: throughput of two processes ("processes") or two threads of this process
+    ("threads") doing the same single-threaded matmuls at once, relative to one after the other
+    (2.0 = both ran on free cores; about 1.0 = no overlap possible). About 2 s."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    start = time.perf_counter()
+    _matmuls()
+    _matmuls()
+    serial = time.perf_counter() - start
+    if kind == "processes":
+        workers = [mp.get_context("fork").Process(target=_matmuls) for _ in range(2)]
+    else:
+        workers = [threading.Thread(target=_matmuls) for _ in range(2)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return serial / (time.perf_counter() - start)
+
+
 def worker(a: argparse.Namespace) -> dict[str, Any]:
     C.worker_setup(a.threads)
     from grouprl.config import validate
@@ -62,7 +99,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
                     "max_new_tokens": a.max_new, "engine": a.engine, "seeding": "per_sample",
                     "old_logp": a.old_logp},
         "train": {"steps": a.warmup + a.steps, "lr": 1e-5,
-                  "async_mode": MODES[a.worker]},
+                  "async_mode": MODES[a.worker], "async_worker": a.async_worker},
         "eval": {"max_examples": 1},
     }  # fmt: skip
     train(validate(raw))
@@ -82,6 +119,7 @@ def main() -> None:
     p.add_argument("--model", default="small", choices=sorted(C.MODELS))
     p.add_argument("--engine", default="fast", choices=["fast", "hf"])
     p.add_argument("--old-logp", default="recompute", choices=["recompute", "engine"])
+    p.add_argument("--async-worker", default="process", choices=["process", "thread"])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32)
@@ -103,8 +141,9 @@ def main() -> None:
     info = C.machine_info(a.threads)
     model_dir = C.build_model_dir(Path(tempfile.gettempdir()) / f"grouprl_bench_{a.model}", a.model)
     args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k in ("engine", "old_logp", "prompts", "group", "max_new", "warmup", "steps",
-                     "threads")]  # fmt: skip
+            if k in ("engine", "old_logp", "async_worker", "prompts", "group", "max_new", "warmup",
+                     "steps", "threads")]  # fmt: skip
+    capacity = [{k: parallel_capacity(k) for k in ("processes", "threads")}]
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(a.reps):
         for mode in MODES:  # alternate: load drift hits both modes alike
@@ -113,6 +152,7 @@ def main() -> None:
             runs[mode].append(res)
             print(f"rep {rep + 1} {mode}: median step {C.median(res['step_s']):.3f} s", flush=True)
 
+    capacity.append({k: parallel_capacity(k) for k in ("processes", "threads")})
     step = {m: C.median([s for r in runs[m] for s in r["step_s"]]) for m in MODES}
     rollout = C.median([s for r in runs["one_step_off"] for s in r["rollout_s"]])
     wait = C.median([s for r in runs["one_step_off"] for s in r["wait_s"]])
@@ -127,16 +167,21 @@ def main() -> None:
     note = C.warn_if_loaded(info)
     if note:
         print(note)
-    print(f"model {a.model}, engine {a.engine}, old_logp {a.old_logp}, {a.prompts} x {a.group} "
+    print(f"model {a.model}, engine {a.engine}, old_logp {a.old_logp}, worker {a.async_worker}, "
+          f"{a.prompts} x {a.group} "
           f"samples x {a.max_new} "
           f"tokens, {a.steps} timed steps x {a.reps} runs per mode\n\n{table}\n")  # fmt: skip
     print(f"ideal overlap speedup (gen + update) / max(gen, update): {ideal:.2f}")
+    for kind in ("processes", "threads"):
+        before, after = (c[kind] for c in capacity)
+        print(f"parallel capacity, 2 {kind} vs serial matmuls (before / after): "
+              f"{before:.2f} / {after:.2f}")  # fmt: skip
     print(f"speedup one_step_off/sync: {speedup:.2f}")
     C.write_json(
         Path(a.out) / "async_speedup.json",
         {"machine": info, "args": {k: v for k, v in vars(a).items() if k != "out"},
          "runs": runs, "median_step_s": step, "worker_batch_s": rollout, "wait_s": wait,
-         "ideal_speedup": ideal, "speedup": speedup},
+         "ideal_speedup": ideal, "speedup": speedup, "parallel_capacity": capacity},
     )  # fmt: skip
 
 

@@ -41,11 +41,12 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from grouprl.checkpoint import capture_rng, restore_rng
 from grouprl.types import Rollout
 
 Make = Callable[[int, Any], tuple[Rollout | None, dict]]  # (step index, policy) -> batch, metrics
@@ -62,6 +63,11 @@ def check_async(cfg: Any, world: int) -> None:
         "image / video policies": cfg.model.type != "causal_lm",
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
     }
+    if getattr(cfg.train, "async_worker", "thread") == "process":
+        cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        refusals["async_worker 'process' on CUDA (a CUDA context does not survive a fork)"] = cuda
+        refusals["async_worker 'process' with rewards[i].timeout_s (their worker pools belong to "
+                 "the parent)"] = any(r.timeout_s is not None for r in cfg.rewards)  # fmt: skip
     bad = [name for name, hit in refusals.items() if hit]
     if bad:
         raise ValueError(
@@ -104,8 +110,15 @@ class OneStepOff:
         self.recompute = cfg.rollout.old_logp == "recompute"
         self.temperature = cfg.rollout.temperature
         self.snapshot = snapshot_policy(policy)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-rollout")
-        self.pending: tuple[int, Future] | None = None
+        self.process = getattr(cfg.train, "async_worker", "thread") == "process"
+        if self.process:  # async_worker.py: a forked child reads the weights from shared memory
+            from grouprl.async_worker import ProcessRunner
+
+            self.snapshot.model.share_memory()
+            self.pool = ProcessRunner(self._child_work)
+        else:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grouprl-rollout")
+        self.pending: tuple[int, Any] | None = None
         self.sampler_state = sampler.state_dict()
 
     def next(self, step: int, policy: Any) -> tuple[Rollout | None, dict]:
@@ -115,8 +128,14 @@ class OneStepOff:
         if launched != step:
             raise RuntimeError(f"async rollouts: batch {launched} in flight, step {step} asked")
         start = time.perf_counter()
-        rollout, metrics = future.result()  # the worker's exception, if any, is raised here
+        result = future.result()  # the worker's exception, if any, is raised here
         self.pending = None
+        if self.process:  # the child drew from its copy of the sampler: mirror its position
+            result, sampler_state, rng = result
+            self.sampler.load_state_dict(sampler_state)
+            if self.staleness == 0:  # sequential: as if this process had sampled
+                restore_rng(rng)
+        rollout, metrics = result
         metrics["async/wait_s"] = time.perf_counter() - start
         if self.staleness == 1 and step + 1 < self.total:
             self._launch(step + 1, policy)  # overlaps this step's update
@@ -127,14 +146,25 @@ class OneStepOff:
         return _FrozenState(self.sampler_state) if self.pending is not None else sampler
 
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending[1].cancel()
+        if self.pending is not None and not self.pending[1].cancel():
+            try:  # let the worker finish its batch, unused
+                self.pending[1].result()
+            except Exception:  # noqa: BLE001 - the run is over; its error no longer matters
+                pass
         self.pool.shutdown(wait=True)
 
     def _launch(self, step: int, policy: Any) -> None:
         self.sampler_state = self.sampler.state_dict()  # the worker is idle: no race
         copy_weights(policy, self.snapshot)
-        self.pending = (step, self.pool.submit(self._work, step))
+        if self.process:
+            self.pending = (step, self.pool.submit(step, capture_rng()))
+        else:
+            self.pending = (step, self.pool.submit(self._work, step))
+
+    def _child_work(self, step: int, rng: dict) -> tuple:
+        """In the worker process: the batch, then the sampler's position and the RNG state."""
+        restore_rng(rng)
+        return self._work(step), self.sampler.state_dict(), capture_rng()
 
     def _work(self, step: int) -> tuple[Rollout | None, dict]:
         start = time.perf_counter()

@@ -314,6 +314,11 @@ class TrainConfig(_Section):
         "weights while step k updates (grouprl/async_rollout.py); old_logp is the sampling "
         "weights' score.",
     )
+    async_worker: Literal["thread", "process"] = Field(
+        "thread",
+        description="one_step_off: sample in a thread, or in a forked process (CPU only; for "
+        "machines where threads of one process do not compute in parallel, see benchmarks).",
+    )
     async_staleness: int = Field(
         1,
         ge=0,

@@ -8,6 +8,7 @@
 
 import copy
 import json
+import multiprocessing as mp
 import threading
 import time
 from types import SimpleNamespace
@@ -61,10 +62,12 @@ def _train_rows(run_dir):
     return [r for r in rows if r["split"] == "train"]
 
 
-def test_staleness_zero_reproduces_the_synchronous_run_exactly(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_staleness_zero_reproduces_the_synchronous_run_exactly(tiny_model_dir, tmp_path, worker):
     sync = train(_cfg(tmp_path, tiny_model_dir, name="sync"))
     off = train(_cfg(tmp_path, tiny_model_dir, "train.async_mode=one_step_off",
-                     "train.async_staleness=0", name="async0"))  # fmt: skip
+                     "train.async_staleness=0", f"train.async_worker={worker}",
+                     name="async0"))  # fmt: skip
     a, b = _final(sync["run_dir"]), _final(off["run_dir"])
     w0 = load_file(tiny_model_dir / "model.safetensors")
     assert max(float((a[k] - w0[k]).abs().max()) for k in a) > 1e-3  # training moved them
@@ -100,10 +103,13 @@ class _Sampler:
     def state_dict(self):
         return {"position": self.position}
 
+    def load_state_dict(self, state):
+        self.position = state["position"]
 
-def _source(policy, staleness, make, steps=4, old_logp="recompute"):
+
+def _source(policy, staleness, make, steps=4, old_logp="recompute", worker="thread"):
     cfg = SimpleNamespace(
-        train=SimpleNamespace(async_staleness=staleness, steps=steps),
+        train=SimpleNamespace(async_staleness=staleness, steps=steps, async_worker=worker),
         rollout=SimpleNamespace(old_logp=old_logp, temperature=1.0),
     )
     sampler = _Sampler()
@@ -114,9 +120,10 @@ def _first_weight(policy):
     return next(policy.model.parameters()).view(-1)[0]
 
 
+@pytest.mark.parametrize("worker", ["thread", "process"])
 @pytest.mark.parametrize("staleness, expected", [(1, [0.0, 0.0, 1.0, 2.0]), (0, [0, 1, 2, 3])])
 def test_batch_k_plus_1_is_sampled_by_the_weights_before_update_k(
-    tiny_model, tiny_tokenizer, staleness, expected
+    tiny_model, tiny_tokenizer, staleness, expected, worker
 ):
     policy = CausalLMPolicy(tiny_model, tiny_tokenizer)
     with torch.no_grad():
@@ -127,7 +134,7 @@ def test_batch_k_plus_1_is_sampled_by_the_weights_before_update_k(
         sampler.position += 1
         return None, {"w": float(_first_weight(pol))}
 
-    source, _ = _source(policy, staleness, make)
+    source, sampler = _source(policy, staleness, make, worker=worker)
     seen = []
     for step in range(4):
         _, metrics = source.next(step, policy)
@@ -136,25 +143,28 @@ def test_batch_k_plus_1_is_sampled_by_the_weights_before_update_k(
             _first_weight(policy).fill_(step + 1.0)
     source.close()
     assert seen == expected
+    assert sampler.position == 4  # the process worker's draws are mirrored in the trainer
 
 
-def test_generation_overlaps_the_update(monkeypatch):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_generation_overlaps_the_update(monkeypatch, worker):
     import grouprl.async_rollout as mod
 
     # a stand-in policy: taking a snapshot and copying weights are instant, sampling takes 0.2 s
-    monkeypatch.setattr(mod, "snapshot_policy", lambda policy: SimpleNamespace())
+    model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(mod, "snapshot_policy", lambda policy: SimpleNamespace(model=model))
     monkeypatch.setattr(mod, "copy_weights", lambda policy, snapshot: None)
 
     def make(step, pol, sampler):
         time.sleep(0.2)
-        return None, {"thread": threading.current_thread().name}
+        return None, {"where": f"{mp.current_process().name}/{threading.current_thread().name}"}
 
     def run(staleness):
-        source, _ = _source(None, staleness, make, steps=5)
+        source, _ = _source(None, staleness, make, steps=5, worker=worker)
         start = time.perf_counter()
         for step in range(5):
             _, metrics = source.next(step, None)
-            assert metrics["thread"].startswith("grouprl-rollout")
+            assert "grouprl-rollout" in metrics["where"]  # not the trainer's thread
             time.sleep(0.2)  # the update
         source.close()
         return time.perf_counter() - start
@@ -210,7 +220,8 @@ def test_a_checkpoint_sees_the_sampler_before_the_in_flight_batch(tiny_model, ti
     source.close()
 
 
-def test_a_worker_error_surfaces_at_the_next_step(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_worker_error_surfaces_at_the_next_step(tiny_model, tiny_tokenizer, worker):
     policy = CausalLMPolicy(tiny_model, tiny_tokenizer)
 
     def make(step, pol, sampler):
@@ -218,7 +229,7 @@ def test_a_worker_error_surfaces_at_the_next_step(tiny_model, tiny_tokenizer):
             raise RuntimeError("reward server down")
         return None, {}
 
-    source, _ = _source(policy, 1, make)
+    source, _ = _source(policy, 1, make, worker=worker)
     source.next(0, policy)
     with pytest.raises(RuntimeError, match="reward server down"):
         source.next(1, policy)
@@ -236,6 +247,12 @@ def test_unsupported_combinations_are_refused(tiny_model_dir, tmp_path):
         check_async(_cfg(tmp_path, tiny_model_dir, on, "rollout.engine=vllm"), world=1)
     with pytest.raises(ValueError, match="curriculum.type 'dump'"):
         check_async(_cfg(tmp_path, tiny_model_dir, on, "curriculum.type=dump"), world=1)
+    with pytest.raises(ValueError, match="'process' on CUDA"):
+        check_async(_cfg(tmp_path, tiny_model_dir, on, "train.async_worker=process",
+                         "run.device=cuda"), world=1)  # fmt: skip
+    with pytest.raises(ValueError, match="timeout_s"):
+        check_async(_cfg(tmp_path, tiny_model_dir, on, "train.async_worker=process",
+                         "rewards.0.timeout_s=5"), world=1)  # fmt: skip
     check_async(_cfg(tmp_path, tiny_model_dir, "rollout.engine=vllm"), world=2)  # off: anything
     with pytest.raises(ValueError):
         _cfg(tmp_path, tiny_model_dir, on, "train.async_staleness=2")
