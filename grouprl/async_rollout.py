@@ -22,8 +22,10 @@ engine-vs-trainer numerics (old_logp vs engine_logp) on top. So prepare() must n
 old_logp with the current weights (`prepare_config`), and update() must not take its single-pass
 shortcut (old = the current weights' detached log-probs): train.update checks async_mode.
 
-Threads: the worker alone uses the snapshot, its engine and tokenizer; the main thread copies
-weights in only while the worker is idle. The prompt sampler is drawn from by the worker only; a
+The worker (train.async_worker) is a thread of the trainer's process, or a forked process
+(async_worker.py: CPU only; for machines where two threads of one process do not compute in
+parallel, e.g. this repository's test machine, see benchmarks/README.md). The worker alone uses
+the snapshot, its engine and tokenizer; the trainer copies weights in only while it is idle. The prompt sampler is drawn from by the worker only; a
 checkpoint stores its state from before the in-flight batch was drawn (`saved_sampler`), so a
 resumed run draws that batch again (sampled with the resumed weights). Rewards run in the worker
 (math-verify has no signal-based time limit off the main thread: use rewards[i].timeout_s). With
