@@ -1,0 +1,42 @@
+"""The agent demo's pieces: expert warm-up data and the success plot (the full demo is a script)."""
+
+import json
+
+from grouprl.agent_demo import expert_examples, plot_success, write_transcripts
+from grouprl.envs.frozenlake import shortest_path
+from grouprl.policies.agent import parse_action
+from grouprl.policies.tiny import char_tokenizer
+
+KW = {"random_map": True, "size": 3, "frozen_prob": 0.7, "max_steps": 6, "system_prompt": "Go."}
+
+
+def test_expert_examples_label_the_shortest_path_move_of_the_shown_map():
+    tok = char_tokenizer()
+    examples = expert_examples(
+        "grouprl/FrozenLake-v0", KW, [0, 1, 2], tok, expert_p=0.5, max_turns=6
+    )
+    assert examples
+    for ex in examples:
+        assert ex["prompt"].endswith("<|assistant|>\n")  # the generation prompt the agent sees
+        move = parse_action(ex["answer"]).raw
+        grid = ex["prompt"].split("<|user|>\n")[-1].split("\n<|assistant|>")[0].splitlines()
+        r = next(i for i, row in enumerate(grid) if "P" in row)
+        path = shortest_path(grid, (r, grid[r].index("P")))  # P reads as frozen ice there
+        assert path is not None and move == path[0]
+
+
+def test_plot_and_transcripts_from_run_dirs(tmp_path):
+    for label in ("a", "b"):
+        d = tmp_path / label
+        d.mkdir()
+        rows = [{"step": s, "split": "eval", "eval/accuracy": 0.1 * s, "eval/sampled_success": 0.05 * s}
+                for s in (0, 2)] + [{"step": s, "split": "train", "episode/success": 0.5}
+                                    for s in (1, 2)]  # fmt: skip
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        (d / "samples.jsonl").write_text(json.dumps({"step": 2, "transcript": f"### {label}"}))
+    dirs = {"A": tmp_path / "a", "B": tmp_path / "b"}
+    plot_success(dirs, tmp_path / "s.png")
+    write_transcripts(dirs, tmp_path / "t.md")
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    text = (tmp_path / "t.md").read_text()
+    assert "## A (step 2)" in text and "### b" in text
