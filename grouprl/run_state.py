@@ -38,6 +38,9 @@ def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, 
         "eval_after": after,
         # LoRA adapters are small and not recoverable from the merged save: keep them here too
         "adapter": policy.state_dict() if policy.lora is not None else None,
+        # full fine-tuning: the model folder holds the trained weights only; a flow policy's
+        # old / EMA weights (DiffusionNFT, AWM: keys "old::...") are kept here
+        "old_weights": None if policy.lora is not None else _old_weights(policy),
     }
     ckpts.save(
         step,
@@ -46,6 +49,15 @@ def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, 
         # no NaN/inf may reach a checkpoint: the weights trained and the optimizer's moments
         check_finite=[*policy.trainable_parameters(), *_optimizer_tensors(optimizer)],
     )
+
+
+_OLD = "old::"  # policies/flow_weights.py's prefix of the old / EMA weights in state_dict()
+
+
+def _old_weights(policy) -> dict[str, Any] | None:
+    """The policy's old / EMA weights (flow policies with likelihood-free objectives), or None."""
+    old = {k: v for k, v in policy.state_dict().items() if k.startswith(_OLD)}
+    return old or None
 
 
 def _optimizer_tensors(optimizer) -> list[tuple[str, Any]]:
@@ -67,6 +79,9 @@ def resume_from(
         policy.load_state_dict(state["adapter"])
     else:
         policy.load_saved_weights(path / "model")
+        if state.get("old_weights"):
+            own = {k: v for k, v in policy.state_dict().items() if not k.startswith(_OLD)}
+            policy.load_state_dict({**own, **state["old_weights"]})
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])

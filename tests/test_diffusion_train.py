@@ -229,7 +229,12 @@ LORA_NFT = ("model.lora={r: 4, alpha: 8, target_modules: [conv1, conv2]}",
             "algorithm.preset=diffusion_nft", "diffusion.rollout_steps=4")  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", [(), LORA_NFT], ids=["full_flow_grpo", "lora_nft"])
+FULL_NFT = ("algorithm.preset=diffusion_nft", "diffusion.rollout_steps=4", "model.lora=null")
+
+
+@pytest.mark.parametrize(
+    "variant", [(), LORA_NFT, FULL_NFT], ids=["full_flow_grpo", "lora_nft", "full_nft"]
+)
 def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch, variant):
     """Run B crashes in its 3rd update (after step 2's checkpoint) and resumes: weights and every
     metric equal the uninterrupted run A's (LoRA + DiffusionNFT: the old weights are restored too)."""
@@ -249,14 +254,15 @@ def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch, variant
     assert CheckpointManager(tmp_path / "b" / "run").latest().name == "step-00000002"
     train(module_cfg(tmp_path / "b", *RESUME, *variant, "run.resume=true"))
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
-    name = "pytorch_lora_weights.safetensors" if variant else "transformer/" + FULL
+    name = "pytorch_lora_weights.safetensors" if variant == LORA_NFT else "transformer/" + FULL
     wa, wb = final_state(a, name), final_state(b, name)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "time"} for r in rows]  # noqa: E731
     assert strip(metrics(a)) == strip(metrics(b))
     assert strip(metrics(a, "eval")) == strip(metrics(b, "eval"))
-    if variant:  # the adapter state of the last checkpoint holds the NFT old weights, equal too
-        sa, sb = (CheckpointManager.load(CheckpointManager(r).latest())["adapter"] for r in (a, b))
+    if variant:  # the last checkpoint holds the NFT old weights (adapter state / old_weights)
+        key = "adapter" if variant == LORA_NFT else "old_weights"
+        sa, sb = (CheckpointManager.load(CheckpointManager(r).latest())[key] for r in (a, b))
         assert any(k.startswith("old::") for k in sa) and sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
