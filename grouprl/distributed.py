@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -58,11 +57,10 @@ from torch import Tensor
 from grouprl.batching import chunks, split_batch
 from grouprl.checkpoint import (
     CheckpointManager,
-    NonFiniteCheckpointError,
     capture_rng,
-    check_all_finite,
     restore_rng,
 )
+from grouprl.distributed_io import NullLogger, SharedCheckpoints, join_rollouts
 from grouprl.distributed_model import DistributedPolicy, ScoreView, ScoringModule, _rows
 from grouprl.rollouts.engines.seeded import sample_seed
 from grouprl.types import Rollout
@@ -273,56 +271,6 @@ def setup(cfg: Any) -> Dist:
     return dist
 
 
-# ---- main-process-only I/O ----------------------------------------------------------------------
-
-
-class SharedCheckpoints:
-    """The main process's CheckpointManager as every process sees it: `latest` is the main's
-    answer (it alone verifies, and may move a damaged checkpoint aside); `save` writes on the main
-    only, after every process has built the state (collectives of sharded backends run there)."""
-
-    def __init__(self, dist: Dist, run_dir, keep_last: int | None) -> None:
-        self.dist = dist
-        self.manager = CheckpointManager(run_dir, keep_last=keep_last) if dist.is_main else None
-        self.rejected: list[str] = []
-
-    def latest(self, verify: bool = False):
-        found = self.manager.latest(verify=verify) if self.manager else None
-        self.rejected = self.manager.rejected if self.manager else []
-        return self.dist.broadcast_object(found)
-
-    def save(self, step: int, *, check_finite=None, **kwargs: Any):
-        """CheckpointManager.save on the main process. The finite check runs on every process
-        over its local shards (sharded backends) and all must pass before anything is written."""
-        problem = None
-        try:
-            check_all_finite(_local(item) for item in check_finite or [])
-        except NonFiniteCheckpointError as err:
-            problem = str(err)
-        problems = [p for p in self.dist.all_gather_object(problem) if p]
-        if problems:
-            raise NonFiniteCheckpointError(problems[0])
-        path = self.manager.save(step, **kwargs) if self.manager else None
-        self.dist.barrier()  # nobody reads or resumes a checkpoint the main is still writing
-        return path
-
-
-class NullLogger:
-    """RunLogger's interface, writing nothing: the logger of every process but the main one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __enter__(self) -> NullLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:  # log, log_samples, print, truncate_after, close
-        return lambda *args, **kwargs: None
-
-
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -340,44 +288,6 @@ def _fill(units: list[Tensor], size: int | None) -> list[Tensor]:
         current.append(unit)
     out.append(torch.cat(current))
     return out
-
-
-# per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
-# has the same width in every part
-_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
-                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
-
-
-def join_rollouts(parts: list[Rollout]) -> Rollout:
-    """The processes' rollouts as one batch along N: per-token fields right-padded to the widest
-    T with their own padding (step_ids -1: no turn), TokenBatch re-padded, lists and dicts joined."""
-    width = max(p.mask.shape[1] for p in parts)
-
-    def join(name: str, values: list) -> Any:
-        first = values[0]
-        if first is None:
-            return None
-        if isinstance(first, Tensor):
-            if name in _TOKEN_FIELDS and first.dim() == 2:
-                pad = _TOKEN_FIELDS[name]
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
-                          for v in values]  # fmt: skip  # [n, width]
-            return torch.cat(values)
-        if isinstance(first, list):
-            return [x for v in values for x in v]
-        if isinstance(first, dict):
-            return {k: join(k, [v[k] for v in values]) for k in first}
-        return type(first).cat(values)  # the policy payload (TokenBatch)
-
-    names = [f.name for f in fields(Rollout)]
-    return Rollout(**{n: join(n, [getattr(p, n) for p in parts]) for n in names})
-
-
-def _local(item: Any) -> Any:
-    """A tensor (or a (name, tensor) pair) with a DTensor replaced by this process's shard."""
-    if isinstance(item, tuple):
-        return item[0], _local(item[1])
-    return item.to_local() if hasattr(item, "to_local") else item
 
 
 def _sum_dicts(parts: list[dict]) -> dict:
