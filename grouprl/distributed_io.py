@@ -4,44 +4,17 @@ directory as every process sees it (the main process writes; the others keep qui
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from grouprl.checkpoint import CheckpointManager, NonFiniteCheckpointError, check_all_finite
+from grouprl.rollouts.filters import cat_rollouts
 from grouprl.types import Rollout
-
-# per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
-# has the same width in every part
-_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
-                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
 
 
 def join_rollouts(parts: list[Rollout]) -> Rollout:
-    """The processes' rollouts as one batch along N: per-token fields right-padded to the widest
-    T with their own padding (step_ids -1: no turn), TokenBatch re-padded, lists and dicts joined."""
-    width = max(p.mask.shape[1] for p in parts)
-
-    def join(name: str, values: list) -> Any:
-        first = values[0]
-        if first is None:
-            return None
-        if isinstance(first, Tensor):
-            if name in _TOKEN_FIELDS and first.dim() == 2:
-                pad = _TOKEN_FIELDS[name]
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
-                          for v in values]  # fmt: skip  # [n, width]
-            return torch.cat(values)
-        if isinstance(first, list):
-            return [x for v in values for x in v]
-        if isinstance(first, dict):
-            return {k: join(k, [v[k] for v in values]) for k in first}
-        return type(first).cat(values)  # the policy payload (TokenBatch)
-
-    names = [f.name for f in fields(Rollout)]
-    return Rollout(**{n: join(n, [getattr(p, n) for p in parts]) for n in names})
+    """The processes' rollouts as one batch along N (rollouts.filters.cat_rollouts: per-token
+    fields padded with their own padding, step_ids -1)."""
+    return cat_rollouts(parts)
 
 
 class SharedCheckpoints:

@@ -132,6 +132,17 @@ def test_cat_rollouts_token_level_advantages_are_padded():
     assert out.advantages.tolist() == [[1, 1, 0], [1, 1, 0], [2, 2, 2], [2, 2, 2]]
 
 
+def test_cat_rollouts_agent_fields_keep_their_meaning():
+    """step_ids pad with -1 (no turn; 0 would be turn 0), step_rewards [n, max_turns] join as is."""
+    a = _rollout([0, 0], {"r": [1.0, 2.0]}, width=2)
+    b = _rollout([1, 1], {"r": [3.0, 4.0]}, width=3)
+    a.step_ids, b.step_ids = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    a.step_rewards, b.step_rewards = torch.zeros(2, 4), torch.full((2, 4), nan)  # [n, max_turns]
+    out = cat_rollouts([a, b])
+    assert out.step_ids.tolist() == [[0, 0, -1], [0, 0, -1], [1, 1, 1], [1, 1, 1]]
+    assert out.step_rewards.shape == (4, 4) and out.step_rewards[2:].isnan().all()
+
+
 def test_cat_rollouts_single_part_is_returned_unchanged():
     a = _rollout([0, 0], {"r": [1.0, 2.0]})
     assert cat_rollouts([a]) is a

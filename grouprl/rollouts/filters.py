@@ -38,30 +38,38 @@ def informative_groups(reward: Tensor, group_ids: Tensor) -> Tensor:
     return keep
 
 
+# per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
+# has the same width in every part and is joined as it is
+_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
+                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
+
+
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
-    """Concatenate rollouts along N, right-padding every [N, T] tensor to the widest T."""
+    """Concatenate rollouts along N: per-token fields right-padded to the widest T with their own
+    padding (step_ids -1: no turn), the policy payload (TokenBatch) re-padded by its own `cat`,
+    lists and dicts joined."""
     if len(parts) == 1:
         return parts[0]
     width = max(p.mask.shape[1] for p in parts)
 
-    def pad(t: Tensor | None) -> Tensor | None:
-        if t is None or t.dim() < 2:
-            return t
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]))  # [n, width]
-
-    def cat(values: list) -> object:
-        if values[0] is None:
+    def join(name: str, values: list) -> object:
+        first = values[0]
+        if first is None:
             return None
-        if isinstance(values[0], Tensor):
-            return torch.cat([pad(v) if v.dim() == 2 else v for v in values])
-        if isinstance(values[0], list):
+        if isinstance(first, Tensor):
+            if name in _TOKEN_FIELDS and first.dim() == 2:
+                pad = _TOKEN_FIELDS[name]
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
+                          for v in values]  # fmt: skip  # [n, width]
+            return torch.cat(values)
+        if isinstance(first, list):
             return [x for v in values for x in v]
-        if isinstance(values[0], dict):
-            return {k: cat([v[k] for v in values]) for k in values[0]}
-        return type(values[0]).cat(values)  # policy payloads (TokenBatch) know how to join
+        if isinstance(first, dict):
+            return {k: join(k, [v[k] for v in values]) for k in first}
+        return type(first).cat(values)  # policy payloads (TokenBatch) know how to join
 
     names = [f for f in Rollout.__dataclass_fields__]
-    return Rollout(**{f: cat([getattr(p, f) for p in parts]) for f in names})
+    return Rollout(**{n: join(n, [getattr(p, n) for p in parts]) for n in names})
 
 
 def sample_until_full(
