@@ -32,6 +32,7 @@ BENCHMARKS = {
     "logprob-memory": "logprob_memory.py",
     "flow-step": "flow_step.py",
     "engines-hf-vs-vllm": "engines_hf_vs_vllm.py",
+    "async-speedup": "async_speedup.py",
 }
 
 
