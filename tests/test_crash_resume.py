@@ -139,8 +139,10 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(
     # 6 distinct hook points, each at its 1st or 2nd call in that child, and 2 timer kills, in a
     # seeded random order; each child resumes from the newest checkpoint the last one left
     schedule = [(point, rng.randint(1, 2)) for point in rng.sample(KILL_POINTS, 6)]
-    schedule += [rng.uniform(1.0, 3.0) for _ in range(2)]
     rng.shuffle(schedule)
+    # the timers go last: where a timer lands depends on the machine's speed, and one that lands
+    # late lets the run finish, after which no later kill can land (CI once saw 3 of 8 land)
+    schedule += [rng.uniform(1.0, 3.0) for _ in range(2)]
     cfg = make_cfg(tmp_path, tiny_model_dir)
     ckpts = CheckpointManager(tmp_path / "run")
     killed, progress = [], []
@@ -156,7 +158,8 @@ def test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run(
     print("kills (point, n-th call, killed):", killed, "latest checkpoint after each:", progress)
     n_killed = sum(k for _, _, k in killed)
     reliability_counts["SIGKILLs during training, resumed exactly"] = n_killed
-    assert n_killed >= 4, killed  # most hooks fire before the run ends: the test is not vacuous
+    n_hooks = sum(k for what, _, k in killed if not what.startswith("timer"))
+    assert n_hooks >= 4, killed  # the hook kills do not depend on timing: not a vacuous test
     assert len(set(progress)) >= 2, progress  # kills landed at different stages of the run
     assert_same_run(final_state(tmp_path / "run"), reference)
 
