@@ -1,8 +1,15 @@
 """The agent demo's pieces: expert warm-up data and the success plot (the full demo is a script)."""
 
 import json
+from argparse import Namespace
 
-from grouprl.agent_demo import expert_examples, plot_success, write_transcripts
+from grouprl.agent_demo import (
+    env_title,
+    expert_examples,
+    plot_success,
+    warmup_env_kwargs,
+    write_transcripts,
+)
 from grouprl.envs.frozenlake import shortest_path
 from grouprl.policies.agent import parse_action
 from grouprl.policies.tiny import char_tokenizer
@@ -35,8 +42,17 @@ def test_plot_and_transcripts_from_run_dirs(tmp_path):
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         (d / "samples.jsonl").write_text(json.dumps({"step": 2, "transcript": f"### {label}"}))
     dirs = {"A": tmp_path / "a", "B": tmp_path / "b"}
-    plot_success(dirs, tmp_path / "s.png")
+    plot_success(dirs, tmp_path / "s.png", "title")
     write_transcripts(dirs, tmp_path / "t.md")
     assert (tmp_path / "s.png").stat().st_size > 10_000
     text = (tmp_path / "t.md").read_text()
     assert "## A (step 2)" in text and "### b" in text
+
+
+def test_warm_up_reads_random_maps_of_the_rl_maps_size_unless_told_same():
+    rl = {"map_name": "4x4", "max_steps": 8, "system_prompt": "Go."}
+    random = warmup_env_kwargs(rl, Namespace(warmup_maps="random", warmup_frozen_prob=0.8))
+    assert random == {**rl, "random_map": True, "frozen_prob": 0.8, "size": 4}
+    assert warmup_env_kwargs(rl, Namespace(warmup_maps="same", warmup_frozen_prob=0.8)) == rl
+    assert env_title(rl) == "gymnasium's 4x4 map"
+    assert env_title(KW) == "random 3x3 maps"
