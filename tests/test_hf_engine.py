@@ -174,3 +174,19 @@ def test_protocol_validation_and_errors():
         SamplingParams(stop="\n")
     with pytest.raises(ValueError, match="batch_size"):
         HFEngine(engine.model, tok, batch_size=0)
+
+
+@pytest.mark.parametrize("engine_cls", ["HFEngine", "FastEngine"])
+def test_in_process_engines_share_validation_and_eos_pad(engine_cls):
+    from grouprl.rollouts import engines
+
+    cls = getattr(engines, engine_cls)
+    tok = char_tokenizer()
+    engine = cls(tiny_qwen2(tok), tok)
+    assert engine.eos_ids == [tok.eos_token_id] and engine.pad_id == tok.pad_token_id
+    with pytest.raises(ValueError, match=f"{engine_cls}.generate: 1 seeds for 2 prompts"):
+        engine.generate([[5], [6]], SamplingParams(), seeds=[0])
+    with pytest.raises(ValueError, match=f"{engine_cls}.generate: prompt 1 is empty"):
+        engine.generate([[5], []], SamplingParams())
+    with pytest.raises(ValueError, match=f"{engine_cls}: batch_size must be >= 1"):
+        cls(engine.model, tok, batch_size=0)

@@ -88,3 +88,52 @@ class TextEngine(Protocol):
     def load_weights(self, weights: Any) -> None:
         """Bring the engine's weights up to date with the trainer's (a state dict or a model)."""
         ...
+
+
+def check_generate_args(
+    engine: str, prompt_token_ids: list[list[int]], seeds: list[int] | None
+) -> None:
+    """What every engine's generate checks first: one seed per prompt (when given), no empty prompt."""
+    if seeds is not None and len(seeds) != len(prompt_token_ids):
+        raise ValueError(
+            f"{engine}.generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts"
+        )
+    for i, p in enumerate(prompt_token_ids):
+        if len(p) == 0:
+            raise ValueError(f"{engine}.generate: prompt {i} is empty (needs at least one token)")
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the model's generation config (may be several, e.g. chat models) or tokenizer."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("neither the model's generation_config nor the tokenizer has an EOS id")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class InProcessEngine:
+    """Base of the engines that generate with the trainer's own (possibly peft-wrapped) model
+    object (hf.py, fast.py): nothing to copy after an update, so `load_weights` is a no-op.
+
+    batch_size: prompts per decode batch (None = all at once).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int | None = None) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(
+                f"{type(self).__name__}: batch_size must be >= 1 or None, got {batch_size}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        # peft injects its adapters into the base model's modules, so calling the base model runs
+        # them; the base model also owns `generation_config`.
+        self._hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.eos_ids = eos_ids(self._hf_model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def load_weights(self, weights: Any) -> None:
+        """No-op: this engine runs the trainer's model object itself (always current weights)."""

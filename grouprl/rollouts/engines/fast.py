@@ -33,8 +33,12 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
-from grouprl.rollouts.engines.hf import _eos_ids
+from grouprl.rollouts.engines.base import (
+    GenerationOutput,
+    InProcessEngine,
+    SamplingParams,
+    check_generate_args,
+)
 
 BLOCK = 128  # vocabulary block of the two-level sampler
 
@@ -104,26 +108,11 @@ def _runs(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     return uniq, counts
 
 
-class FastEngine:
+class FastEngine(InProcessEngine):
     """A lean decode loop over a (possibly peft-wrapped) causal LM that the trainer also updates.
 
     batch_size: prompts per decode batch (None = all at once).
     """
-
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int | None = None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"FastEngine: batch_size must be >= 1 or None, got {batch_size}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        # peft injects adapters into the base model's modules: calling it runs them
-        self._hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.eos_ids = _eos_ids(self._hf_model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.eos_ids[0]
-
-    def load_weights(self, weights: Any) -> None:
-        """No-op: this engine runs the trainer's model object itself (always current weights)."""
 
     def generate(
         self,
@@ -136,18 +125,10 @@ class FastEngine:
         """One completion per prompt (consecutive identical prompts share one prefill).
         seeds: one per prompt, each row then draws its uniforms from its own generator
         (engines/seeded.py); None: torch's global RNG."""
+        check_generate_args("FastEngine", prompt_token_ids, seeds)
         out = GenerationOutput([], [], [])
         if not prompt_token_ids:
             return out
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"FastEngine.generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts"
-            )
-        for i, p in enumerate(prompt_token_ids):
-            if len(p) == 0:
-                raise ValueError(
-                    f"FastEngine.generate: prompt {i} is empty (needs at least one token)"
-                )
         step = self.batch_size or len(prompt_token_ids)
         was_training = self.model.training
         self.model.eval()

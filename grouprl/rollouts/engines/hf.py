@@ -28,7 +28,12 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+from grouprl.rollouts.engines.base import (
+    GenerationOutput,
+    InProcessEngine,
+    SamplingParams,
+    check_generate_args,
+)
 from grouprl.rollouts.engines.seeded import SeededChoice
 
 
@@ -73,39 +78,11 @@ def _stop_cut(ids: list[int], stops: list[str], tokenizer: Any) -> int | None:
     return hi
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids from the model's generation config (may be several, e.g. chat models) or tokenizer."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(
-            "HFEngine: neither the model's generation_config nor the tokenizer has an EOS id"
-        )
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-class HFEngine:
+class HFEngine(InProcessEngine):
     """transformers `generate` over a (possibly peft-wrapped) causal LM that the trainer also updates.
 
     batch_size: prompts per `generate` call (None = all at once).
     """
-
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int | None = None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"HFEngine: batch_size must be >= 1 or None, got {batch_size}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        # The transformers model that owns `generation_config` (under a peft wrapper if any).
-        self._hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.eos_ids = _eos_ids(self._hf_model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.eos_ids[0]
-
-    def load_weights(self, weights: Any) -> None:
-        """No-op: this engine generates with the trainer's model object itself, so it always sees
-        the current weights; there is nothing to copy."""
 
     def generate(
         self,
@@ -118,17 +95,9 @@ class HFEngine:
         """One completion per prompt. Greedy takes the argmax; its log-probs are under
         softmax(logits / temperature) (top-k/top-p do not apply). seeds: one per prompt, each row
         then samples from its own generator (engines/seeded.py); None: torch's global RNG."""
+        check_generate_args("HFEngine", prompt_token_ids, seeds)
         if not prompt_token_ids:
             return GenerationOutput([], [], [])
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"HFEngine.generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts"
-            )
-        for i, p in enumerate(prompt_token_ids):
-            if len(p) == 0:
-                raise ValueError(
-                    f"HFEngine.generate: prompt {i} is empty (needs at least one token)"
-                )
         step = self.batch_size or len(prompt_token_ids)
         out = GenerationOutput([], [], [])
         was_training = self.model.training

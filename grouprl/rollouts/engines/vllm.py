@@ -41,7 +41,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams, check_generate_args
 
 SEED_RANGE = 2**30  # per-request seeds (+ n - 1 for the samples) stay in vLLM's int range
 
@@ -162,15 +162,9 @@ class VLLMEngine:
         """One completion per prompt. seeds: one per prompt (engines/seeded.py); None: drawn from
         the engine's own stream. Identical consecutive prompts with consecutive seeds share one
         request (n samples)."""
+        check_generate_args("VLLMEngine", prompt_token_ids, seeds)
         if not prompt_token_ids:
             return GenerationOutput([], [], [])
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"VLLMEngine.generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts"
-            )
-        for i, p in enumerate(prompt_token_ids):
-            if len(p) == 0:
-                raise ValueError(f"VLLMEngine.generate: prompt {i} is empty (needs >= 1 token)")
         if seeds is None:
             base = self._rng.randrange(SEED_RANGE)
             seeds = [base + i for i in range(len(prompt_token_ids))]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from grouprl.rollouts.engines.hf import _eos_ids
+from grouprl.rollouts.engines.base import eos_ids
 from grouprl.rollouts.engines.vllm import VLLMEngine
 
 SLEEP_LEVELS = {"off": 0, "level1": 1, "level2": 2}
@@ -138,7 +138,7 @@ def eos_ids_for(model: str, tokenizer: Any, trust_remote_code: bool = False) -> 
         gen = GenerationConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except OSError:  # no generation_config.json
         gen = None
-    return _eos_ids(SimpleNamespace(generation_config=gen), tokenizer)
+    return eos_ids(SimpleNamespace(generation_config=gen), tokenizer)
 
 
 def shared_engine(s: VLLMSettings, seed: int = 0) -> VLLMEngine:
