@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 
 @dataclass
 class SamplingParams:
@@ -137,3 +139,41 @@ class InProcessEngine:
 
     def load_weights(self, weights: Any) -> None:
         """No-op: this engine runs the trainer's model object itself (always current weights)."""
+
+    def _generate_chunk(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        greedy: bool,
+        seeds: list[int] | None,
+    ) -> GenerationOutput:
+        raise NotImplementedError
+
+    def _generate_in_chunks(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        greedy: bool,
+        seeds: list[int] | None,
+    ) -> GenerationOutput:
+        """`_generate_chunk` on `batch_size` prompts at a time, in eval mode without autograd;
+        the model's train / eval state is restored afterwards, also on error."""
+        out = GenerationOutput([], [], [])
+        step = self.batch_size or len(prompt_token_ids)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompt_token_ids), step):
+                    chunk = self._generate_chunk(
+                        prompt_token_ids[start : start + step],
+                        params,
+                        greedy,
+                        None if seeds is None else seeds[start : start + step],
+                    )
+                    out.completion_ids += chunk.completion_ids
+                    out.logprobs += chunk.logprobs
+                    out.truncated += chunk.truncated
+        finally:
+            self.model.train(was_training)
+        return out

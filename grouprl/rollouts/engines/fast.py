@@ -126,27 +126,9 @@ class FastEngine(InProcessEngine):
         seeds: one per prompt, each row then draws its uniforms from its own generator
         (engines/seeded.py); None: torch's global RNG."""
         check_generate_args("FastEngine", prompt_token_ids, seeds)
-        out = GenerationOutput([], [], [])
         if not prompt_token_ids:
-            return out
-        step = self.batch_size or len(prompt_token_ids)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for start in range(0, len(prompt_token_ids), step):
-                    chunk = self._generate_chunk(
-                        prompt_token_ids[start : start + step],
-                        params,
-                        greedy,
-                        None if seeds is None else seeds[start : start + step],
-                    )
-                    out.completion_ids += chunk.completion_ids
-                    out.logprobs += chunk.logprobs
-                    out.truncated += chunk.truncated
-        finally:
-            self.model.train(was_training)
-        return out
+            return GenerationOutput([], [], [])
+        return self._generate_in_chunks(prompt_token_ids, params, greedy, seeds)
 
     def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         out = self._hf_model(

@@ -98,29 +98,13 @@ class HFEngine(InProcessEngine):
         check_generate_args("HFEngine", prompt_token_ids, seeds)
         if not prompt_token_ids:
             return GenerationOutput([], [], [])
-        step = self.batch_size or len(prompt_token_ids)
-        out = GenerationOutput([], [], [])
-        was_training = self.model.training
         saved_config = self._hf_model.generation_config
-        self.model.eval()
         # Hide hub sampling defaults; everything that shapes the distribution is passed explicitly.
         self._hf_model.generation_config = GenerationConfig()
         try:
-            with torch.no_grad():
-                for start in range(0, len(prompt_token_ids), step):
-                    chunk = self._generate_chunk(
-                        prompt_token_ids[start : start + step],
-                        params,
-                        greedy,
-                        None if seeds is None else seeds[start : start + step],
-                    )
-                    out.completion_ids += chunk.completion_ids
-                    out.logprobs += chunk.logprobs
-                    out.truncated += chunk.truncated
+            return self._generate_in_chunks(prompt_token_ids, params, greedy, seeds)
         finally:
             self._hf_model.generation_config = saved_config
-            self.model.train(was_training)
-        return out
 
     def _generate_chunk(
         self,
