@@ -3,6 +3,8 @@
 import json
 from argparse import Namespace
 
+import pytest
+
 from grouprl.agent_demo import (
     env_title,
     expert_examples,
@@ -56,3 +58,42 @@ def test_warm_up_reads_random_maps_of_the_rl_maps_size_unless_told_same():
     assert warmup_env_kwargs(rl, Namespace(warmup_maps="same", warmup_frozen_prob=0.8)) == rl
     assert env_title(rl) == "gymnasium's 4x4 map"
     assert env_title(KW) == "random 3x3 maps"
+
+
+def _sampled(out: str, label: str) -> tuple[float, float]:
+    """(first, last) sampled evaluation success printed for a run, in percent."""
+    line = next(x for x in out.splitlines() if x.startswith(f"{label}: eval success (sampled)"))
+    first, last = line.split(")")[1].replace("%", "").split("->")
+    return float(first), float(last)
+
+
+def test_demo_runs_end_to_end_in_small(tmp_path, capsys):
+    """The whole demo on a tiny budget: warm-up, both runs in subprocesses, PNG, transcripts."""
+    from grouprl import agent_demo
+
+    code = agent_demo.main([
+        "--warmup-episodes", "8", "--warmup-steps", "2", f"run.output_dir={tmp_path}",
+        "train.steps=2", "eval.every=2", "eval.pass_k=2", "task.options.n_eval=1",
+        "rollout.prompts_per_step=1", "rollout.group_size=2",
+    ])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    for label in ("GiGPO", "GRPO"):
+        first, last = _sampled(out, label)
+        assert 0 <= first <= 100 and 0 <= last <= 100
+        assert (tmp_path / f"frozenlake-{label.lower()}" / "metrics.jsonl").exists()
+    assert (tmp_path / "frozenlake_success.png").stat().st_size > 10_000
+    transcripts = (tmp_path / "frozenlake_transcripts.md").read_text()
+    assert "## GiGPO (step 2)" in transcripts and "## GRPO (step 2)" in transcripts
+
+
+@pytest.mark.slow
+def test_demo_raises_sampled_success(tmp_path, capsys):
+    """The real demo (about 7 minutes on 2 cores): both runs raise sampled success by 40+ points."""
+    from grouprl import agent_demo
+
+    assert agent_demo.main([f"run.output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    for label in ("GiGPO", "GRPO"):
+        first, last = _sampled(out, label)
+        assert last >= first + 40, (label, first, last)
