@@ -6,6 +6,7 @@ ever sees a flat list of prompts and returns one completion per prompt.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,7 +116,7 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-class InProcessEngine:
+class InProcessEngine(ABC):
     """Base of the engines that generate with the trainer's own (possibly peft-wrapped) model
     object (hf.py, fast.py): nothing to copy after an update, so `load_weights` is a no-op.
 
@@ -137,9 +138,10 @@ class InProcessEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
 
-    def load_weights(self, weights: Any) -> None:
+    def load_weights(self, weights: Any) -> None:  # noqa: B027  (a deliberate no-op, not abstract)
         """No-op: this engine runs the trainer's model object itself (always current weights)."""
 
+    @abstractmethod
     def _generate_chunk(
         self,
         prompts: list[list[int]],
@@ -147,7 +149,7 @@ class InProcessEngine:
         greedy: bool,
         seeds: list[int] | None,
     ) -> GenerationOutput:
-        raise NotImplementedError
+        """One completion per prompt of one decode batch (called in eval mode, without grad)."""
 
     def _generate_in_chunks(
         self,
