@@ -21,16 +21,24 @@ def split_batch(rollout: Rollout, minibatches: int, micro_size: int | None, *, w
     else:
         units = list(torch.randperm(len(rollout)).unsqueeze(1))  # one sample per unit
     for part in chunks(units, min(minibatches, len(units))):
-        mb = torch.cat(part)
-        size = micro_size or len(mb)
-        micro, current = [], []
-        for unit in part:  # fill micro-batches with whole units up to `size` samples
-            if current and sum(len(u) for u in current) + len(unit) > size:
-                micro.append(torch.cat(current))
-                current = []
-            current.append(unit)
-        micro.append(torch.cat(current))
-        yield mb, micro
+        yield torch.cat(part), fill_micro_batches(part, micro_size)
+
+
+def fill_micro_batches(units: list[torch.Tensor], size: int | None) -> list[torch.Tensor]:
+    """Micro-batches of whole units (index tensors), in order, up to `size` samples each
+    (None: all in one); no units, no micro-batches."""
+    if not units:
+        return []
+    if size is None:
+        return [torch.cat(units)]
+    out, current = [], []
+    for unit in units:
+        if current and sum(len(u) for u in current) + len(unit) > size:
+            out.append(torch.cat(current))
+            current = []
+        current.append(unit)
+    out.append(torch.cat(current))
+    return out
 
 
 def chunks(items: list, k: int) -> list[list]:

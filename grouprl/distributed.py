@@ -54,15 +54,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.batching import chunks, split_batch
+from grouprl.batching import chunks, fill_micro_batches, split_batch
 from grouprl.checkpoint import (
     CheckpointManager,
     capture_rng,
     restore_rng,
 )
-from grouprl.distributed_io import NullLogger, SharedCheckpoints, join_rollouts
+from grouprl.distributed_io import NullLogger, SharedCheckpoints
 from grouprl.distributed_model import DistributedPolicy, ScoreView, ScoringModule, _rows
 from grouprl.rollouts.engines.seeded import sample_seed
+from grouprl.rollouts.filters import cat_rollouts
 from grouprl.types import Rollout
 
 _EMPTY = torch.empty(0, dtype=torch.long)  # a padding micro-batch (see module docstring)
@@ -135,7 +136,7 @@ class Dist:
         finally:
             restore_rng(rng)
         parts = self.all_gather_object(part)
-        return join_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
+        return cat_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
 
     # ---- scoring and the update -----------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class Dist:
         self._owned = []
         # micro_size 1: batching's own shuffle, one unit (a sample or a whole group) per entry
         for mb, units in split_batch(rollout, minibatches, 1, whole_groups=whole_groups):
-            micro = [_fill(share, micro_size) for share in chunks(units, self.world)]
+            micro = [fill_micro_batches(share, micro_size) for share in chunks(units, self.world)]
             mine = micro[self.rank]
             self._owned += mine
             yield mb, mine + [_EMPTY] * (max(map(len, micro)) - len(mine))
@@ -272,22 +273,6 @@ def setup(cfg: Any) -> Dist:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-def _fill(units: list[Tensor], size: int | None) -> list[Tensor]:
-    """Micro-batches of whole units up to `size` samples each (None: one), as batching does."""
-    if not units:
-        return []
-    if size is None:
-        return [torch.cat(units)]
-    out, current = [], []
-    for unit in units:
-        if current and sum(len(u) for u in current) + len(unit) > size:
-            out.append(torch.cat(current))
-            current = []
-        current.append(unit)
-    out.append(torch.cat(current))
-    return out
 
 
 def _sum_dicts(parts: list[dict]) -> dict:

@@ -1,5 +1,5 @@
-"""Collective-aware pieces of grouprl.distributed: joining the processes' rollouts, and the run
-directory as every process sees it (the main process writes; the others keep quiet).
+"""Collective-aware pieces of grouprl.distributed: the run directory as every process sees it (the
+main process writes; the others keep quiet).
 """
 
 from __future__ import annotations
@@ -7,14 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from grouprl.checkpoint import CheckpointManager, NonFiniteCheckpointError, check_all_finite
-from grouprl.rollouts.filters import cat_rollouts
-from grouprl.types import Rollout
-
-
-def join_rollouts(parts: list[Rollout]) -> Rollout:
-    """The processes' rollouts as one batch along N (rollouts.filters.cat_rollouts: per-token
-    fields padded with their own padding, step_ids -1)."""
-    return cat_rollouts(parts)
 
 
 class SharedCheckpoints:

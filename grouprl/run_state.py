@@ -10,6 +10,7 @@ import torch
 
 from grouprl.checkpoint import CheckpointManager, restore_rng
 from grouprl.config import Config
+from grouprl.policies.flow_weights import OLD  # state_dict prefix of old / EMA weights
 
 
 def claim_run_dir(cfg: Config) -> None:
@@ -51,12 +52,9 @@ def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, 
     )
 
 
-_OLD = "old::"  # policies/flow_weights.py's prefix of the old / EMA weights in state_dict()
-
-
 def _old_weights(policy) -> dict[str, Any] | None:
     """The policy's old / EMA weights (flow policies with likelihood-free objectives), or None."""
-    old = {k: v for k, v in policy.state_dict().items() if k.startswith(_OLD)}
+    old = {k: v for k, v in policy.state_dict().items() if k.startswith(OLD)}
     return old or None
 
 
@@ -80,7 +78,7 @@ def resume_from(
     else:
         policy.load_saved_weights(path / "model")
         if state.get("old_weights"):
-            own = {k: v for k, v in policy.state_dict().items() if not k.startswith(_OLD)}
+            own = {k: v for k, v in policy.state_dict().items() if not k.startswith(OLD)}
             policy.load_state_dict({**own, **state["old_weights"]})
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

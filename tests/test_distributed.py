@@ -24,13 +24,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from grouprl.batching import split_batch
+from grouprl.batching import fill_micro_batches, split_batch
 from grouprl.checkpoint import CheckpointManager
 from grouprl.config import apply_overrides, validate
-from grouprl.distributed import SINGLE, Dist, NullLogger, _fill, join_rollouts
+from grouprl.distributed import SINGLE, Dist, NullLogger
 from grouprl.policies.causal_lm import CausalLMPolicy
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.engines.seeded import SeededChoice, group_seeds, sample_seed
+from grouprl.rollouts.filters import cat_rollouts
 from grouprl.train import train
 from grouprl.types import Rollout, TokenBatch
 
@@ -147,7 +148,7 @@ def test_padding_is_a_real_row_trained_with_weight_zero():
     assert seen == [0.0, 6.0]  # x 0 for padding, x world otherwise (gradient averaging undone)
 
 
-def test_join_rollouts_pads_each_field_with_its_own_value():
+def test_gathered_rollouts_pad_each_field_with_its_own_value():
     def part(n, t, group):
         batch = TokenBatch(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.bool),
                            torch.ones(n, t, dtype=torch.long), torch.ones(n, t, dtype=torch.bool),
@@ -158,7 +159,7 @@ def test_join_rollouts_pads_each_field_with_its_own_value():
             step_rewards=torch.ones(n, 4), anchor_keys=[["a"]] * n, info={"x": [group] * n},
         )  # fmt: skip
 
-    joined = join_rollouts([part(1, 2, 0), part(2, 3, 1)])
+    joined = cat_rollouts([part(1, 2, 0), part(2, 3, 1)])
     assert joined.group_ids.tolist() == [0, 1, 1] and joined.rewards["r"].shape == (3,)
     assert joined.step_ids[0].tolist() == [0, 0, -1]  # -1: no turn, not turn 0
     assert joined.mask[0].tolist() == [True, True, False] and joined.old_logp[0, 2] == 0
@@ -169,9 +170,9 @@ def test_join_rollouts_pads_each_field_with_its_own_value():
 
 def test_fill_packs_whole_units_like_batching():
     units = [torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([3, 4, 5])]
-    assert [m.tolist() for m in _fill(units, 3)] == [[0, 1, 2], [3, 4, 5]]
-    assert [m.tolist() for m in _fill(units, None)] == [[0, 1, 2, 3, 4, 5]]
-    assert _fill([], 2) == []
+    assert [m.tolist() for m in fill_micro_batches(units, 3)] == [[0, 1, 2], [3, 4, 5]]
+    assert [m.tolist() for m in fill_micro_batches(units, None)] == [[0, 1, 2, 3, 4, 5]]
+    assert fill_micro_batches([], 2) == []
 
 
 def test_one_process_helpers_are_the_single_process_code():

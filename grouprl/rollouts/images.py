@@ -33,6 +33,7 @@ from torch import Tensor
 
 from grouprl.envs.rewards import score_completions
 from grouprl.objectives.flow_support import stratified_timestep_indices
+from grouprl.policies.flow_weights import OLD
 from grouprl.rollouts.filters import combined_reward
 from grouprl.types import Rollout
 
@@ -97,7 +98,7 @@ def needs_old_weights(cfg: Any) -> bool:
 
 
 def has_old_weights(policy: Any) -> bool:
-    return any(k.startswith("old::") for k in policy.state_dict())
+    return any(k.startswith(OLD) for k in policy.state_dict())
 
 
 def lf_mask(cfg: Any, n: int, k: int) -> Tensor:
