@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grouprl.rollouts.engines.base import unwrap_peft
 from grouprl.types import PolicyOutput
 
 
@@ -30,7 +31,7 @@ class ScoringModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, chunk_size: int | None, path: str) -> None:
         super().__init__()
         self.model, self.chunk_size, self.path = model, chunk_size, path  # path: fast | plain
-        hf = _hf_model(model)
+        hf = unwrap_peft(model)
         self._no_split_modules = getattr(hf, "_no_split_modules", None)  # FSDP2 auto-wrap classes
 
     def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
@@ -42,16 +43,16 @@ class ScoringModule(torch.nn.Module):
         batch = TokenBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
                            truncated=completion_mask[:, 0])  # fmt: skip  # truncated: unused
         return completion_logprobs(
-            _hf_model(self.model), batch, temperature=temperature,
+            unwrap_peft(self.model), batch, temperature=temperature,
             chunk_size=chunk_size or self.chunk_size, with_entropy=with_entropy,
             entropy_grad=entropy_grad, path=self.path,
         )  # fmt: skip  # [N, T] each
 
     def get_input_embeddings(self) -> Any:
-        return _hf_model(self.model).get_input_embeddings()
+        return unwrap_peft(self.model).get_input_embeddings()
 
     def get_output_embeddings(self) -> Any:
-        return _hf_model(self.model).get_output_embeddings()
+        return unwrap_peft(self.model).get_output_embeddings()
 
 
 class DistributedPolicy:
@@ -124,10 +125,6 @@ class _SplitScorer:
         return self.dist.score_rows(lambda b: (self.scorer.log_probs(b, temperature), None), batch)[
             0
         ]
-
-
-def _hf_model(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _rows(batch: Any, idx: Tensor) -> Any:

@@ -24,7 +24,7 @@ from grouprl.policies.logprobs import completion_logprobs
 from grouprl.policies.lora import LoRASettings, add_lora
 from grouprl.policies.lora import lora_settings as _lora_settings
 from grouprl.policies.lora import merged_state_dict as _merged_state_dict
-from grouprl.rollouts.engines.base import SamplingParams, TextEngine
+from grouprl.rollouts.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.rollouts.engines.fast import FastEngine
 from grouprl.rollouts.engines.hf import HFEngine
 from grouprl.rollouts.engines.seeded import group_seeds
@@ -65,7 +65,7 @@ class _Scorer:
     """What `reference()` yields: `.log_probs(batch, temperature)` without gradient."""
 
     def __init__(self, model: Any, chunk_size: int | None, path: str = "fast") -> None:
-        self._model, self._chunk_size, self._path = _hf_model(model), chunk_size, path
+        self._model, self._chunk_size, self._path = unwrap_peft(model), chunk_size, path
 
     @torch.no_grad()
     def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
@@ -77,11 +77,6 @@ class _Scorer:
             with_entropy=False,
             path=self._path,
         )[0]
-
-
-def _hf_model(model: Any) -> Any:
-    """The transformers model under a peft wrapper (adapters are injected into its modules)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 class CausalLMPolicy:
@@ -257,7 +252,7 @@ class CausalLMPolicy:
         """Differentiable logp [N, T] of the completion tokens under softmax(logits / temperature),
         entropy [N, T] (no grad unless entropy_grad); masked slots are 0."""
         logp, entropy = completion_logprobs(
-            _hf_model(self.model),
+            unwrap_peft(self.model),
             batch,
             temperature=temperature,
             chunk_size=chunk_size or self.logprob_chunk_size,
@@ -307,7 +302,7 @@ class CausalLMPolicy:
         weights: dict[str, Tensor] = {}
         for f in files:
             weights.update(load_file(f))
-        missing, unexpected = _hf_model(self.model).load_state_dict(weights, strict=False)
+        missing, unexpected = unwrap_peft(self.model).load_state_dict(weights, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(
                 f"weights in {str(directory)!r} do not match the model: missing {missing}, "

@@ -106,6 +106,12 @@ def check_generate_args(
             raise ValueError(f"{engine}.generate: prompt {i} is empty (needs at least one token)")
 
 
+def unwrap_peft(model: Any) -> Any:
+    """The transformers model under a peft wrapper (peft injects its adapters into that model's
+    modules, so calling it runs them; it also owns `generation_config`), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     """EOS ids from the model's generation config (may be several, e.g. chat models) or tokenizer."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -131,9 +137,7 @@ class InProcessEngine(ABC):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        # peft injects its adapters into the base model's modules, so calling the base model runs
-        # them; the base model also owns `generation_config`.
-        self._hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._hf_model = unwrap_peft(model)
         self.eos_ids = eos_ids(self._hf_model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
