@@ -25,9 +25,10 @@ shortcut (old = the current weights' detached log-probs): train.update checks as
 The worker (train.async_worker) is a thread of the trainer's process, or a forked process
 (async_worker.py: CPU only; for machines where two threads of one process do not compute in
 parallel, e.g. this repository's test machine, see benchmarks/README.md). The worker alone uses
-the snapshot, its engine and tokenizer; the trainer copies weights in only while it is idle. The prompt sampler is drawn from by the worker only; a
-checkpoint stores its state from before the in-flight batch was drawn (`saved_sampler`), so a
-resumed run draws that batch again (sampled with the resumed weights). Rewards run in the worker
+the snapshot, its engine and tokenizer; the trainer copies weights in only while it is idle. The
+prompt sampler is drawn from by the worker only; a checkpoint stores its state from before the
+in-flight batch was drawn (`saved_sampler`), so a resumed run draws that batch again (sampled with
+the resumed weights). Rewards run in the worker
 (math-verify has no signal-based time limit off the main thread: use rewards[i].timeout_s). With
 rollout.seeding per_sample the worker never touches torch's global RNG and runs reproduce; with
 global seeding at staleness 1 both threads draw from the global RNG in an order that varies.

@@ -1,9 +1,10 @@
 """Keeping the rollout engine in step with the trainer: weight pushes and mismatch metrics.
 
-`push_weights(policy)` hands the engine the trainer's current weights (a no-op for the HF engine,
-which samples with the trainer's own model); `release_engine(policy)` lets a vLLM engine sleep
-(GPU, rollout.vllm.sleep) while the trainer updates. `step_mismatch` measures, once per step over the whole
-batch, how far the engine's log-probs are from the trainer's for the same tokens.
+`push_weights(policy)` hands the engine the trainer's current weights (a no-op for the in-process
+hf and fast engines, which sample with the trainer's own model); `release_engine(policy)` lets a
+vLLM engine sleep (GPU, rollout.vllm.sleep) while the trainer updates. `step_mismatch` measures,
+once per step over the whole batch, how far the engine's log-probs are from the trainer's for the
+same tokens.
 
 The engine samples with its own numerics (vLLM kernels, KV cache, maybe another dtype) while the
 loss scores with the trainer, so the same tokens get slightly different log-probs (the
