@@ -19,8 +19,10 @@ with log-probs under softmax(logits / temperature). What it does differently, fo
   the same seed (a different use of the random stream); the distribution is the same (tested).
   Greedy decoding gives the same tokens as HFEngine.
 
-The KV cache is transformers' DynamicCache (a per-step concatenation, cheap at these sizes); a
-pre-allocated static cache would forbid dropping finished rows, which paid more in our profile.
+- The KV cache of Llama-family models (llama, mistral, qwen2, qwen3) is pre-allocated and written
+  in place, and the decode step is a plain loop over the model's modules (kv_decode.py); other
+  models run their own forward with transformers' DynamicCache, which copies the whole cache at
+  every step. Dropping finished rows copies the kept rows once, on the steps where rows finish.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache
 from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grouprl.rollouts.engines.base import (
@@ -39,6 +40,7 @@ from grouprl.rollouts.engines.base import (
     SamplingParams,
     check_generate_args,
 )
+from grouprl.rollouts.engines.kv_decode import make_decoder
 
 BLOCK = 128  # vocabulary block of the two-level sampler
 
@@ -112,7 +114,16 @@ class FastEngine(InProcessEngine):
     """A lean decode loop over a (possibly peft-wrapped) causal LM that the trainer also updates.
 
     batch_size: prompts per decode batch (None = all at once).
+    kv_cache: "auto" (pre-allocated buffers for Llama-family models, else DynamicCache),
+    "static" or "dynamic" (kv_decode.py).
     """
+
+    def __init__(
+        self, model: Any, tokenizer: Any, batch_size: int | None = None, kv_cache: str = "auto"
+    ) -> None:
+        super().__init__(model, tokenizer, batch_size)
+        make_decoder(self._hf_model, 1, kv_cache)  # fails early on a bad value or model
+        self.kv_cache = kv_cache
 
     def generate(
         self,
@@ -130,17 +141,6 @@ class FastEngine(InProcessEngine):
             return GenerationOutput([], [], [])
         return self._generate_in_chunks(prompt_token_ids, params, greedy, seeds)
 
-    def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
-        out = self._hf_model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1]  # [n, V]
-
     def _generate_chunk(
         self,
         prompts: list[list[int]],
@@ -157,15 +157,13 @@ class FastEngine(InProcessEngine):
             ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, P - len(p) :] = 1
         ids, mask = ids.to(device), mask.to(device)
-        cache = DynamicCache(config=self._hf_model.config)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, P]
-        logits = self._forward(ids, mask, positions, cache)  # [B, V]: once per group
+        decoder = make_decoder(self._hf_model, P + T, self.kv_cache)
+        logits = decoder.prefill(ids, mask)  # [B, V]: once per group
         rows = torch.repeat_interleave(
             torch.arange(B, device=device), torch.tensor(counts, device=device)
         )  # [N]
-        cache.reorder_cache(rows)  # the shared prompt's K/V, G copies
-        logits, mask = logits[rows], mask[rows]  # [N, V], [N, P]
-        position = mask.sum(1)  # [N] position of the next token
+        decoder.select(rows)  # the shared prompt's K/V, G copies
+        logits = logits[rows]  # [N, V]
 
         warpers = _warpers(params, greedy)
         gens = None if seeds is None else [torch.Generator().manual_seed(int(s)) for s in seeds]
@@ -193,11 +191,9 @@ class FastEngine(InProcessEngine):
                 break
             if not keep.all():  # drop finished rows from the batch and the cache
                 idx = keep.nonzero()[:, 0].to(device)  # [n']
-                cache.reorder_cache(idx)
-                active, tok, mask, position = active[keep], tok[idx], mask[idx], position[idx]
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], 1)  # [n, P+t+1]
-            logits = self._forward(tok[:, None], mask, position[:, None], cache)  # [n, V]
-            position = position + 1
+                decoder.select(idx)
+                active, tok = active[keep], tok[idx]
+            logits = decoder.step(tok)  # [n, V]
         return GenerationOutput(
             completion_ids=[tokens[i, : length[i]].tolist() for i in range(N)],
             logprobs=[logps[i, : length[i]].tolist() for i in range(N)],
