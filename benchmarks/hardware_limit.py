@@ -16,6 +16,15 @@ workload's own shapes (tokens x hidden x intermediate / vocabulary) and a square
 The step is grouprl's default path on the text_vs_trl workload (8 prompts x 8 samples, 32-token
 completions, mu = 1, beta = 0), run in-process with the same code as benchmarks/text_vs_trl.py.
 
+Matmul floor: one more step runs under torch.profiler (with shapes); its matrix products
+(aten::mm / addmm / bmm) are sorted into generation (inside the engine's generate), the update's
+forward and the update's backward (under autograd's engine), then replayed back to back on random
+float32 tensors of the same shapes, with nothing else in between (best of 3 replays). That is the
+time these products take on this CPU by themselves: a step that does them cannot be faster, and a
+step that skipped its update forward could at best save that phase's share. When
+`--out`/text_vs_trl.json holds TRL's time for the model, the floor is set against half of it
+(issue 6's goal).
+
     .venv/bin/python benchmarks/hardware_limit.py [--models small,large --steps 3 --threads 2]
 """
 
@@ -78,6 +87,97 @@ def matmul_params(model_dir: Path) -> dict[str, int]:
     return {"body": body, "head": head, "matmul": body + head, "total": total}
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+PHASES = ("generate", "update_forward", "update_backward")
+
+
+def record_matmuls(step: Any) -> dict[str, list[tuple[str, list[list[int]]]]]:
+    """Run `step()` under the profiler: its matrix products (op, input shapes) by phase."""
+    import torch
+
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step()
+    calls: dict[str, list[tuple[str, list[list[int]]]]] = {k: [] for k in PHASES}
+    for ev in prof.events():
+        if ev.name not in MATMUL_OPS:
+            continue
+        names, parent = [], ev.cpu_parent
+        while parent is not None:
+            names.append(parent.name)
+            parent = parent.cpu_parent
+        if text_vs_trl.GENERATE_LABEL in names:
+            phase = "generate"
+        elif any(n.startswith("autograd::engine") for n in names):
+            phase = "update_backward"
+        else:
+            phase = "update_forward"
+        calls[phase].append((ev.name, [list(x) for x in ev.input_shapes]))
+    return calls
+
+
+def _operands(op: str, shapes: list[list[int]], pool: dict[tuple, Any]) -> tuple:
+    """Random float32 operands of a recorded call (one tensor per distinct shape)."""
+    import torch
+
+    def t(shape: list[int]) -> Any:
+        key = tuple(shape)
+        if key not in pool:
+            pool[key] = torch.randn(key)
+        return pool[key]
+
+    if op == "aten::addmm":  # (bias, a, b)
+        return tuple(t(x) for x in shapes[:3])
+    return tuple(t(x) for x in shapes[:2])
+
+
+def replay_seconds(calls: list[tuple[str, list[list[int]]]], repeats: int = 3) -> float:
+    """Best total time of the calls replayed back to back (after one warm-up pass)."""
+    import torch
+
+    fns = {"aten::mm": torch.mm, "aten::addmm": torch.addmm, "aten::bmm": torch.bmm}
+    pool: dict[tuple, Any] = {}
+    work = [(fns[op], _operands(op, shapes, pool)) for op, shapes in calls]
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for fn, args in work:
+            fn(*args)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best if work else 0.0
+
+
+def matmul_gflop(calls: list[tuple[str, list[list[int]]]]) -> float:
+    total = 0.0
+    for op, shapes in calls:
+        a, b = (shapes[1], shapes[2]) if op == "aten::addmm" else (shapes[0], shapes[1])
+        batch = a[0] if op == "aten::bmm" else 1
+        total += 2.0 * batch * a[-2] * a[-1] * b[-1]
+    return total / 1e9
+
+
+def matmul_floor(calls: dict[str, list[tuple[str, list[list[int]]]]]) -> dict[str, Any]:
+    seconds = {k: replay_seconds(v) for k, v in calls.items()}
+    return {
+        "seconds": seconds,
+        "total_s": sum(seconds.values()),
+        "without_update_forward_s": seconds["generate"] + seconds["update_backward"],
+        "gflop": {k: matmul_gflop(v) for k, v in calls.items()},
+        "calls": {k: len(v) for k, v in calls.items()},
+    }
+
+
+def trl_s_per_step(out: Path, model: str) -> float | None:
+    """TRL's median s/step for `model` from a text_vs_trl.json in `out`, if there is one."""
+    import json
+
+    path = out / "text_vs_trl.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text()).get(model, {}).get("summary", {})
+    return summary.get("trl", {}).get("s_per_step")
+
+
 def step_flops(p: dict[str, int], tokens: dict[str, int]) -> dict[str, float]:
     gen_tokens = tokens["generated"] + tokens["prompt_once_per_group"]
     trained = tokens["generated"] + tokens["prompt_once_per_group"]
@@ -94,8 +194,9 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
     vocab = spec["vocab"] or 259
     before = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     ns = argparse.Namespace(model_dir=model_dir, engine=a.engine, seed=a.seed, lr=1e-5,
-                            warmup=a.warmup, steps=a.steps)  # fmt: skip
+                            warmup=a.warmup, steps=a.steps, profile_step=record_matmuls)  # fmt: skip
     run = text_vs_trl.run_grouprl(ns)
+    floor = matmul_floor(run["profile"])
     after = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     peak = max(max(before.values()), max(after.values()))
     params = matmul_params(model_dir)
@@ -116,11 +217,27 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
         "achieved_gflops": achieved,
         "utilisation": {k: v / peak for k, v in achieved.items()},
         "s_per_step": C.median([s["total_s"] for s in steps]),
+        "matmul_floor": floor,
+        "trl_s_per_step": trl_s_per_step(a.out, name),
         "flops_per_step": C.median([sum(step_flops(params, t).values()) for t in tokens]),
         "tokens": tokens,
         "steps": steps,
         "engine": run["engine"],
     }
+
+
+def floor_table(results: dict[str, Any], models: list[str]) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "s/step", "matmul floor s (generate / update fwd / update bwd)",
+              "floor without update fwd s", "0.5 x TRL s/step"]  # fmt: skip
+    rows = []
+    for name in models:
+        r = results[name]
+        f, trl = r["matmul_floor"], r["trl_s_per_step"]
+        parts = " / ".join(f"{f['seconds'][k]:.3f}" for k in PHASES)
+        rows.append([name, f"{r['s_per_step']:.3f}", f"{f['total_s']:.3f} ({parts})",
+                     f"{f['without_update_forward_s']:.3f}",
+                     "-" if trl is None else f"{0.5 * trl:.3f}"])  # fmt: skip
+    return header, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"grouprl engine {results[models[0]]['engine']!r}")
     print(C.format_table(header, rows))
+    print()
+    print(C.format_table(*floor_table(results, models)))
     warn = C.warn_if_loaded(info, alternated=False)
     if warn:
         print(warn)

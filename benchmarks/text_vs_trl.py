@@ -40,6 +40,7 @@ import _common as C  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 PROMPTS, GROUP, MAX_NEW = 8, 8, 32
+GENERATE_LABEL = "grouprl.generate"  # profiler label of the engine's generate (hardware_limit.py)
 
 
 def _task_prompts(seed: int) -> list[dict]:
@@ -91,22 +92,29 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
     inner = engine.generate
 
     def timed_generate(*args: Any, **kw: Any) -> Any:
-        with timer("generate"):
+        with timer("generate"), torch.profiler.record_function(GENERATE_LABEL):
             return inner(*args, **kw)
+
+    def one_step(step: int) -> Any:
+        r, _ = rollout_step(cfg, policy, sampler, reward_fns, weights, params, step)
+        prepare(cfg, policy, r, weights)
+        update(cfg, policy, optimizer, scheduler, r)
+        return r
 
     engine.generate = timed_generate
     steps, tokens = [], []
     before = _begin_memory()
     for step in range(a.warmup + a.steps):
         t0 = time.perf_counter()
-        r, _ = rollout_step(cfg, policy, sampler, reward_fns, weights, params, step)
-        prepare(cfg, policy, r, weights)
-        update(cfg, policy, optimizer, scheduler, r)
+        r = one_step(step)
         total = time.perf_counter() - t0
         gen = timer.pop().get("generate", 0.0)
         steps.append({"total_s": total, "generate_s": gen, "update_s": total - gen})
         tokens.append(_token_counts(r.actions))
-    return {**_end_memory(before), "steps": steps, "tokens": tokens, "engine": cfg.rollout.engine}
+    out = {**_end_memory(before), "steps": steps, "tokens": tokens, "engine": cfg.rollout.engine}
+    if getattr(a, "profile_step", None):  # hardware_limit.py: one more step under its profiler
+        out["profile"] = a.profile_step(lambda: one_step(a.warmup + a.steps))
+    return out
 
 
 def _token_counts(batch: Any) -> dict[str, int]:
