@@ -16,14 +16,15 @@ workload's own shapes (tokens x hidden x intermediate / vocabulary) and a square
 The step is grouprl's default path on the text_vs_trl workload (8 prompts x 8 samples, 32-token
 completions, mu = 1, beta = 0), run in-process with the same code as benchmarks/text_vs_trl.py.
 
-Matmul floor: one more step runs under torch.profiler (with shapes); its matrix products
-(aten::mm / addmm / bmm) are sorted into generation (inside the engine's generate), the update's
-forward and the update's backward (under autograd's engine), then replayed back to back on random
-float32 tensors of the same shapes, with nothing else in between (best of 3 replays). That is the
-time these products take on this CPU by themselves: a step that does them cannot be faster, and a
+Matmul floor: one more step runs under a dispatch-mode recorder; its matrix products (aten mm /
+addmm / bmm) are sorted into generation (inside the engine's generate), the update's forward and
+the update's backward (under autograd's engine), then replayed back to back on random float32
+tensors of the same shapes and strides (one per operand address, so each weight matrix is one
+tensor, as in the step), with nothing else in between (best of 3 replays). That is the time
+these products take on this CPU by themselves: a step that does them cannot be faster, and a
 step that skipped its update forward could at best save that phase's share. When
-`--out`/text_vs_trl.json holds TRL's time for the model, the floor is set against half of it
-(issue 6's goal).
+`--out`/text_vs_trl.json holds the model's grouprl/TRL time ratio, the floor is set against issue
+6's goal, a step of half TRL's time, both as shares of this run's step.
 
     .venv/bin/python benchmarks/hardware_limit.py [--models small,large --steps 3 --threads 2]
 """
@@ -35,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -87,56 +90,80 @@ def matmul_params(model_dir: Path) -> dict[str, int]:
     return {"body": body, "head": head, "matmul": body + head, "total": total}
 
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("mm", "addmm", "bmm")
 PHASES = ("generate", "update_forward", "update_backward")
+# One recorded operand: shape, strides, and the address of its data in the step (so that a weight
+# used by every decode step is one tensor in the replay, as it is one matrix in the step).
+Operand = tuple[tuple[int, ...], tuple[int, ...], int]
+Call = tuple[str, list[Operand]]
 
 
-def record_matmuls(step: Any) -> dict[str, list[tuple[str, list[list[int]]]]]:
-    """Run `step()` under the profiler: its matrix products (op, input shapes) by phase."""
+class _MatmulRecorder(TorchDispatchMode):
+    """Records every mm / addmm / bmm with its operands, by phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generating = False
+        self.calls: dict[str, list[Call]] = {k: [] for k in PHASES}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        import torch
+
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__
+        if op in MATMUL_OPS:
+            if self.generating:
+                phase = "generate"
+            elif torch._C._current_autograd_node() is not None:  # inside autograd's backward
+                phase = "update_backward"
+            else:
+                phase = "update_forward"
+            operands = [(tuple(t.shape), tuple(t.stride()), t.data_ptr())
+                        for t in args if isinstance(t, torch.Tensor)]  # fmt: skip
+            self.calls[phase].append((op, operands))
+        return out
+
+
+def record_matmuls(step: Any, engine: Any) -> dict[str, list[Call]]:
+    """Run `step()` once, recording its matrix products; those inside engine.generate count as
+    generation, those under autograd's engine as the update's backward, the rest as its forward."""
+    recorder = _MatmulRecorder()
+    inner = engine.generate
+
+    def generate(*args: Any, **kw: Any) -> Any:
+        recorder.generating = True
+        try:
+            return inner(*args, **kw)
+        finally:
+            recorder.generating = False
+
+    engine.generate = generate
+    try:
+        with recorder:
+            step()
+    finally:
+        engine.generate = inner
+    return recorder.calls
+
+
+def replay_seconds(calls: list[Call], repeats: int = 3) -> float:
+    """Best total time of the calls replayed back to back (after one warm-up pass), on random
+    float32 tensors with the recorded shapes and strides: one tensor per recorded operand address
+    and shape, so weights are reused across calls as in the step (and cached or not alike)."""
     import torch
 
-    with torch.profiler.profile(record_shapes=True) as prof:
-        step()
-    calls: dict[str, list[tuple[str, list[list[int]]]]] = {k: [] for k in PHASES}
-    for ev in prof.events():
-        if ev.name not in MATMUL_OPS:
-            continue
-        names, parent = [], ev.cpu_parent
-        while parent is not None:
-            names.append(parent.name)
-            parent = parent.cpu_parent
-        if text_vs_trl.GENERATE_LABEL in names:
-            phase = "generate"
-        elif any(n.startswith("autograd::engine") for n in names):
-            phase = "update_backward"
-        else:
-            phase = "update_forward"
-        calls[phase].append((ev.name, [list(x) for x in ev.input_shapes]))
-    return calls
+    fns = {"mm": torch.mm, "addmm": torch.addmm, "bmm": torch.bmm}
+    pool: dict[Operand, Any] = {}
 
+    def tensor(operand: Operand) -> Any:
+        if operand not in pool:
+            shape, stride, _ = operand
+            t = torch.empty_strided(shape, stride)
+            t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,)).normal_()
+            pool[operand] = t  # (stride-0 operands, e.g. the gradient of a sum, share elements)
+        return pool[operand]
 
-def _operands(op: str, shapes: list[list[int]], pool: dict[tuple, Any]) -> tuple:
-    """Random float32 operands of a recorded call (one tensor per distinct shape)."""
-    import torch
-
-    def t(shape: list[int]) -> Any:
-        key = tuple(shape)
-        if key not in pool:
-            pool[key] = torch.randn(key)
-        return pool[key]
-
-    if op == "aten::addmm":  # (bias, a, b)
-        return tuple(t(x) for x in shapes[:3])
-    return tuple(t(x) for x in shapes[:2])
-
-
-def replay_seconds(calls: list[tuple[str, list[list[int]]]], repeats: int = 3) -> float:
-    """Best total time of the calls replayed back to back (after one warm-up pass)."""
-    import torch
-
-    fns = {"aten::mm": torch.mm, "aten::addmm": torch.addmm, "aten::bmm": torch.bmm}
-    pool: dict[tuple, Any] = {}
-    work = [(fns[op], _operands(op, shapes, pool)) for op, shapes in calls]
+    work = [(fns[op], [tensor(o) for o in operands]) for op, operands in calls]
     best = float("inf")
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -147,16 +174,18 @@ def replay_seconds(calls: list[tuple[str, list[list[int]]]], repeats: int = 3) -
     return best if work else 0.0
 
 
-def matmul_gflop(calls: list[tuple[str, list[list[int]]]]) -> float:
+def matmul_gflop(calls: list[Call]) -> float:
     total = 0.0
-    for op, shapes in calls:
-        a, b = (shapes[1], shapes[2]) if op == "aten::addmm" else (shapes[0], shapes[1])
-        batch = a[0] if op == "aten::bmm" else 1
+    for op, operands in calls:
+        a, b = (
+            (operands[1][0], operands[2][0]) if op == "addmm" else (operands[0][0], operands[1][0])
+        )
+        batch = a[0] if op == "bmm" else 1
         total += 2.0 * batch * a[-2] * a[-1] * b[-1]
     return total / 1e9
 
 
-def matmul_floor(calls: dict[str, list[tuple[str, list[list[int]]]]]) -> dict[str, Any]:
+def matmul_floor(calls: dict[str, list[Call]]) -> dict[str, Any]:
     seconds = {k: replay_seconds(v) for k, v in calls.items()}
     return {
         "seconds": seconds,
@@ -167,15 +196,14 @@ def matmul_floor(calls: dict[str, list[tuple[str, list[list[int]]]]]) -> dict[st
     }
 
 
-def trl_s_per_step(out: Path, model: str) -> float | None:
-    """TRL's median s/step for `model` from a text_vs_trl.json in `out`, if there is one."""
+def trl_time_ratio(out: Path, model: str) -> float | None:
+    """grouprl/TRL time per step for `model` from a text_vs_trl.json in `out`, if there is one."""
     import json
 
     path = out / "text_vs_trl.json"
     if not path.exists():
         return None
-    summary = json.loads(path.read_text()).get(model, {}).get("summary", {})
-    return summary.get("trl", {}).get("s_per_step")
+    return json.loads(path.read_text()).get(model, {}).get("summary", {}).get("time_ratio")
 
 
 def step_flops(p: dict[str, int], tokens: dict[str, int]) -> dict[str, float]:
@@ -218,7 +246,7 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
         "utilisation": {k: v / peak for k, v in achieved.items()},
         "s_per_step": C.median([s["total_s"] for s in steps]),
         "matmul_floor": floor,
-        "trl_s_per_step": trl_s_per_step(a.out, name),
+        "trl_time_ratio": trl_time_ratio(a.out, name),
         "flops_per_step": C.median([sum(step_flops(params, t).values()) for t in tokens]),
         "tokens": tokens,
         "steps": steps,
@@ -227,16 +255,21 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def floor_table(results: dict[str, Any], models: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The floor as a share of this run's step, and the share issue 6's goal allows: a step of
+    half TRL's time is 0.5 / (grouprl/TRL time ratio) of grouprl's step (ratio measured
+    alternated by text_vs_trl.py, so machine drift between the two runs cancels)."""
     header = ["model", "s/step", "matmul floor s (generate / update fwd / update bwd)",
-              "floor without update fwd s", "0.5 x TRL s/step"]  # fmt: skip
+              "floor / step", "floor without update fwd / step",
+              "0.5 x TRL / step"]  # fmt: skip
     rows = []
     for name in models:
         r = results[name]
-        f, trl = r["matmul_floor"], r["trl_s_per_step"]
+        f, ratio, step = r["matmul_floor"], r["trl_time_ratio"], r["s_per_step"]
         parts = " / ".join(f"{f['seconds'][k]:.3f}" for k in PHASES)
-        rows.append([name, f"{r['s_per_step']:.3f}", f"{f['total_s']:.3f} ({parts})",
-                     f"{f['without_update_forward_s']:.3f}",
-                     "-" if trl is None else f"{0.5 * trl:.3f}"])  # fmt: skip
+        rows.append([name, f"{step:.3f}", f"{f['total_s']:.3f} ({parts})",
+                     f"{100 * f['total_s'] / step:.0f}%",
+                     f"{100 * f['without_update_forward_s'] / step:.0f}%",
+                     "-" if ratio is None else f"{100 * 0.5 / ratio:.0f}%"])  # fmt: skip
     return header, rows
 
 

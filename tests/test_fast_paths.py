@@ -473,24 +473,34 @@ def test_benchmark_workload_helpers(tmp_path):
 def test_hardware_limit_sorts_and_counts_a_steps_matrix_products():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hardware_limit as H
-    import text_vs_trl
 
     lin = nn.Linear(8, 4)
     x = torch.randn(5, 8, requires_grad=True)
 
+    class Engine:
+        def generate(self):
+            with torch.no_grad():
+                return lin(x)  # addmm: bias [4], x [5, 8], W^T [8, 4] (a transposed view)
+
+    engine = Engine()
+
     def step():
-        with torch.no_grad(), torch.profiler.record_function(text_vs_trl.GENERATE_LABEL):
-            lin(x)  # addmm [4] + [5, 8] x [8, 4]
+        engine.generate()
         (lin(x).sum() + torch.mm(x, x.t()).sum()).backward()
 
-    calls = H.record_matmuls(step)
-    assert calls["generate"] == [("aten::addmm", [[4], [5, 8], [8, 4], [], []])]
-    assert sorted(op for op, _ in calls["update_forward"]) == ["aten::addmm", "aten::mm"]
+    calls = H.record_matmuls(step, engine)
+    assert engine.generate.__func__ is Engine.generate  # the engine is given back unwrapped
+    [(op, operands)] = calls["generate"]
+    assert op == "addmm"
+    assert [o[:2] for o in operands] == [((4,), (1,)), ((5, 8), (8, 1)), ((8, 4), (1, 8))]
+    assert operands[2][2] == lin.weight.data_ptr()
+    assert sorted(op for op, _ in calls["update_forward"]) == ["addmm", "mm"]
     assert len(calls["update_backward"]) == 4  # dx and dW of the linear and of x x^T
     # 2 m k n per product: 2*5*8*4 = 320; a batched product counts each batch
     assert H.matmul_gflop(calls["generate"]) == pytest.approx(320e-9)
-    assert H.matmul_gflop([("aten::bmm", [[3, 2, 5], [3, 5, 7]])]) == pytest.approx(3 * 140e-9)
+    bmm = ("bmm", [((3, 2, 5), (10, 5, 1), 1), ((3, 5, 7), (35, 7, 1), 2)])
+    assert H.matmul_gflop([bmm]) == pytest.approx(3 * 140e-9)
     floor = H.matmul_floor(calls)
     assert floor["total_s"] == pytest.approx(sum(floor["seconds"].values()))
     assert floor["calls"] == {"generate": 1, "update_forward": 2, "update_backward": 4}
-    assert H.replay_seconds([]) == 0.0
+    assert H.replay_seconds([bmm]) > 0 and H.replay_seconds([]) == 0.0
