@@ -18,11 +18,12 @@ completions, mu = 1, beta = 0), run in-process with the same code as benchmarks/
 
 Matmul floor: one more step runs under a dispatch-mode recorder; its matrix products (aten mm /
 addmm / bmm) are sorted into generation (inside the engine's generate), the update's forward and
-the update's backward (under autograd's engine), then replayed back to back on random float32
-tensors of the same shapes and strides (one per operand address, so each weight matrix is one
-tensor, as in the step), with nothing else in between (best of 3 replays). That is the time
-these products take on this CPU by themselves: a step that does them cannot be faster, and a
-step that skipped its update forward could at best save that phase's share. When
+the update's backward (under autograd's engine). They are then replayed back to back on random
+float32 tensors of the same shapes and strides (one per operand address, so each weight matrix
+is one tensor, as in the step), with nothing else in between: the time these products take on
+this CPU by themselves. A step that does them cannot be faster, and a step that skipped its
+update forward could at best save that phase's share. `--steps` more steps follow, each followed
+by one replay; the shares are medians of replay / the step just before it. When
 `--out`/text_vs_trl.json holds the model's grouprl/TRL time ratio, the floor is set against issue
 6's goal, a step of half TRL's time, both as shares of this run's step.
 
@@ -146,10 +147,10 @@ def record_matmuls(step: Any, engine: Any) -> dict[str, list[Call]]:
     return recorder.calls
 
 
-def replay_seconds(calls: list[Call], repeats: int = 3) -> float:
-    """Best total time of the calls replayed back to back (after one warm-up pass), on random
-    float32 tensors with the recorded shapes and strides: one tensor per recorded operand address
-    and shape, so weights are reused across calls as in the step (and cached or not alike)."""
+def replay_work(calls: list[Call]) -> list[tuple[Any, list[Any]]]:
+    """The calls as (function, operands) on random float32 tensors with the recorded shapes and
+    strides: one tensor per recorded operand address and shape, so weights are reused across
+    calls as in the step (and are in cache or not alike)."""
     import torch
 
     fns = {"mm": torch.mm, "addmm": torch.addmm, "bmm": torch.bmm}
@@ -163,15 +164,15 @@ def replay_seconds(calls: list[Call], repeats: int = 3) -> float:
             pool[operand] = t  # (stride-0 operands, e.g. the gradient of a sum, share elements)
         return pool[operand]
 
-    work = [(fns[op], [tensor(o) for o in operands]) for op, operands in calls]
-    best = float("inf")
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        for fn, args in work:
-            fn(*args)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best if work else 0.0
+    return [(fns[op], [tensor(o) for o in operands]) for op, operands in calls]
+
+
+def replay_seconds(work: list[tuple[Any, list[Any]]]) -> float:
+    """Wall time of one back-to-back pass over the calls."""
+    t0 = time.perf_counter()
+    for fn, args in work:
+        fn(*args)
+    return time.perf_counter() - t0
 
 
 def matmul_gflop(calls: list[Call]) -> float:
@@ -185,14 +186,31 @@ def matmul_gflop(calls: list[Call]) -> float:
     return total / 1e9
 
 
-def matmul_floor(calls: dict[str, list[Call]]) -> dict[str, Any]:
-    seconds = {k: replay_seconds(v) for k, v in calls.items()}
+def matmul_floor(step: Any, engine: Any, pairs: int) -> dict[str, Any]:
+    """Record one step's products, then `pairs` times: one step, then one replay of its products.
+    Each replay is set against the step run just before it, so that the shares compare the two
+    under the same machine speed (on this shared CPU it drifts by +-20% within minutes)."""
+    calls = record_matmuls(step, engine)
+    work = {k: replay_work(v) for k, v in calls.items()}
+    for w in work.values():
+        replay_seconds(w)  # warm-up
+    rows = []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        step()
+        step_s = time.perf_counter() - t0
+        rows.append({"step_s": step_s, "seconds": {k: replay_seconds(w) for k, w in work.items()}})
+    total = [sum(r["seconds"].values()) for r in rows]
+    no_fwd = [r["seconds"]["generate"] + r["seconds"]["update_backward"] for r in rows]
     return {
-        "seconds": seconds,
-        "total_s": sum(seconds.values()),
-        "without_update_forward_s": seconds["generate"] + seconds["update_backward"],
+        "seconds": {k: C.median([r["seconds"][k] for r in rows]) for k in PHASES},
+        "total_s": C.median(total),
+        "step_s": C.median([r["step_s"] for r in rows]),
+        "share_of_step": C.median([t / r["step_s"] for t, r in zip(total, rows)]),
+        "share_without_update_forward": C.median([t / r["step_s"] for t, r in zip(no_fwd, rows)]),
         "gflop": {k: matmul_gflop(v) for k, v in calls.items()},
         "calls": {k: len(v) for k, v in calls.items()},
+        "pairs": rows,
     }
 
 
@@ -222,9 +240,10 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
     vocab = spec["vocab"] or 259
     before = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     ns = argparse.Namespace(model_dir=model_dir, engine=a.engine, seed=a.seed, lr=1e-5,
-                            warmup=a.warmup, steps=a.steps, profile_step=record_matmuls)  # fmt: skip
+                            warmup=a.warmup, steps=a.steps,
+                            profile_step=lambda step, engine: matmul_floor(step, engine, a.steps))  # fmt: skip
     run = text_vs_trl.run_grouprl(ns)
-    floor = matmul_floor(run["profile"])
+    floor = run["profile"]
     after = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     peak = max(max(before.values()), max(after.values()))
     params = matmul_params(model_dir)
@@ -255,20 +274,20 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def floor_table(results: dict[str, Any], models: list[str]) -> tuple[list[str], list[list[str]]]:
-    """The floor as a share of this run's step, and the share issue 6's goal allows: a step of
-    half TRL's time is 0.5 / (grouprl/TRL time ratio) of grouprl's step (ratio measured
-    alternated by text_vs_trl.py, so machine drift between the two runs cancels)."""
-    header = ["model", "s/step", "matmul floor s (generate / update fwd / update bwd)",
+    """The floor as a share of the step, and the share issue 6's goal allows: a step of half
+    TRL's time is 0.5 / (grouprl/TRL time ratio) of grouprl's step (the ratio measured alternated
+    by text_vs_trl.py, so machine drift between the two runs cancels)."""
+    header = ["model", "step s", "matmul floor s (generate / update fwd / update bwd)",
               "floor / step", "floor without update fwd / step",
               "0.5 x TRL / step"]  # fmt: skip
     rows = []
     for name in models:
         r = results[name]
-        f, ratio, step = r["matmul_floor"], r["trl_time_ratio"], r["s_per_step"]
+        f, ratio = r["matmul_floor"], r["trl_time_ratio"]
         parts = " / ".join(f"{f['seconds'][k]:.3f}" for k in PHASES)
-        rows.append([name, f"{step:.3f}", f"{f['total_s']:.3f} ({parts})",
-                     f"{100 * f['total_s'] / step:.0f}%",
-                     f"{100 * f['without_update_forward_s'] / step:.0f}%",
+        rows.append([name, f"{f['step_s']:.3f}", f"{f['total_s']:.3f} ({parts})",
+                     f"{100 * f['share_of_step']:.0f}%",
+                     f"{100 * f['share_without_update_forward']:.0f}%",
                      "-" if ratio is None else f"{100 * 0.5 / ratio:.0f}%"])  # fmt: skip
     return header, rows
 

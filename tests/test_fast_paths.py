@@ -500,7 +500,9 @@ def test_hardware_limit_sorts_and_counts_a_steps_matrix_products():
     assert H.matmul_gflop(calls["generate"]) == pytest.approx(320e-9)
     bmm = ("bmm", [((3, 2, 5), (10, 5, 1), 1), ((3, 5, 7), (35, 7, 1), 2)])
     assert H.matmul_gflop([bmm]) == pytest.approx(3 * 140e-9)
-    floor = H.matmul_floor(calls)
-    assert floor["total_s"] == pytest.approx(sum(floor["seconds"].values()))
+    floor = H.matmul_floor(step, engine, pairs=2)
     assert floor["calls"] == {"generate": 1, "update_forward": 2, "update_backward": 4}
-    assert H.replay_seconds([bmm]) > 0 and H.replay_seconds([]) == 0.0
+    assert len(floor["pairs"]) == 2 and floor["step_s"] > 0
+    shares = [sum(p["seconds"].values()) / p["step_s"] for p in floor["pairs"]]
+    assert floor["share_of_step"] == pytest.approx(sum(shares) / 2)
+    assert H.replay_seconds(H.replay_work([bmm])) > 0 and H.replay_work([]) == []
