@@ -65,7 +65,8 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
     from grouprl.rollouts.prepare import prepare
     from grouprl.train import rollout_step, update
 
-    rollout = dict(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=MAX_NEW)
+    new_tokens = getattr(a, "max_new_tokens", MAX_NEW)  # hardware_limit.py passes none
+    rollout = dict(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=new_tokens)
     if a.engine:
         rollout["engine"] = a.engine
     cfg = Config.model_validate(
@@ -182,7 +183,7 @@ def run_trl(a: argparse.Namespace) -> dict[str, Any]:
         per_device_train_batch_size=PROMPTS * GROUP,  # completions per step
         gradient_accumulation_steps=1,
         num_generations=GROUP,
-        max_completion_length=MAX_NEW,
+        max_completion_length=a.max_new_tokens,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="runs per side, alternated A B A B")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW,
+                   help="completion length (the issue's workload: 32)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", default="", help="grouprl rollout.engine (default: config default)")
     p.add_argument("--out", type=Path, default=C.RESULTS)
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         model_dir = C.build_model_dir(a.out / "models" / name, name, seed=a.seed)
         common = ["--model-dir", str(model_dir), "--threads", str(a.threads), "--lr", str(a.lr),
-                  "--seed", str(a.seed), "--steps", str(a.steps), "--warmup", str(a.warmup)]  # fmt: skip
+                  "--seed", str(a.seed), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                  "--max-new-tokens", str(a.max_new_tokens)]  # fmt: skip
         if a.engine:
             common += ["--engine", a.engine]
         runs: dict[str, list[dict]] = {"grouprl": [], "trl": []}
@@ -308,11 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"runs": runs, "summary": summarize(runs, a.warmup)}
     results["trl_version"] = results[models[0]]["runs"]["trl"][0].get("trl")
     results["grouprl_engine"] = results[models[0]]["runs"]["grouprl"][0].get("engine")
-    report(results, models, a.out)
+    report(results, models, a.out, a.max_new_tokens)
     return 0
 
 
-def report(results: dict[str, Any], models: list[str], out: Path) -> None:
+def report(results: dict[str, Any], models: list[str], out: Path, new_tokens: int) -> None:
     rows = []
     for name in models:
         s = results[name]["summary"]
@@ -346,7 +350,7 @@ def report(results: dict[str, Any], models: list[str], out: Path) -> None:
           for side in ("grouprl", "trl")}, models),
     ]  # fmt: skip
     C.bar_png(out / "text_vs_trl.png", panels, f"grouprl vs TRL {results['trl_version']}: "
-              f"{PROMPTS}x{GROUP} samples, {MAX_NEW}-token completions")  # fmt: skip
+              f"{PROMPTS}x{GROUP} samples, {new_tokens}-token completions")  # fmt: skip
     print(f"wrote {out / 'text_vs_trl.json'} and {out / 'text_vs_trl.png'}")
     time_ratio = max(results[m]["summary"]["time_ratio"] for m in models)
     mem_model = "large" if "large" in models else models[0]
