@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -362,3 +363,64 @@ def test_engine_logp_matches_policy_log_probs(tiny_model_dir):
     logp = policy.log_probs(r.actions, with_entropy=False).logp.detach()
     torch.testing.assert_close(logp[r.mask], r.engine_logp[r.mask], atol=1e-5, rtol=0)
     assert (r.engine_logp[~r.mask] == 0).all()
+
+
+def test_per_sample_seeds_make_episodes_independent_of_batching(tiny_model_dir):
+    """seed=S: turn t of episode j of group g samples from generator (S, g, j, t), so the same
+    groups collected together or one at a time (as on two processes) give the same tokens, and
+    the global RNG plays no part; without a seed the global RNG does."""
+    policy = CausalLMPolicy.from_pretrained(str(tiny_model_dir))
+    params = SamplingParams(temperature=1.0)
+    kw = dict(max_turns=3, max_turn_tokens=6)
+
+    def tokens(r):
+        return [row[m].tolist() for row, m in zip(r.actions.completion_ids, r.mask)]
+
+    torch.manual_seed(0)
+    together = collect_episodes(policy, CounterEnv, [0, 1], 3, params, seed=7, **kw)
+    torch.manual_seed(1)
+    first = collect_episodes(policy, CounterEnv, [0], 3, params, seed=7, **kw)
+    second = collect_episodes(policy, CounterEnv, [1], 3, params, seed=7, first_group_id=1, **kw)
+    assert tokens(together) == tokens(first) + tokens(second)
+    assert len({str(t) for t in tokens(together)}) > 1  # the episodes do differ
+    other = collect_episodes(policy, CounterEnv, [0, 1], 3, params, seed=8, **kw)
+    assert tokens(other) != tokens(together)
+    torch.manual_seed(0)
+    a = collect_episodes(policy, CounterEnv, [0, 1], 3, params, **kw)
+    torch.manual_seed(1)
+    b = collect_episodes(policy, CounterEnv, [0, 1], 3, params, **kw)
+    assert tokens(a) != tokens(b)
+
+
+def test_turn_seeds_hand_checked():
+    import hashlib
+
+    from grouprl.rollouts.engines.seeded import turn_seed
+
+    digest = hashlib.blake2b(b"7:1:2:3", digest_size=8).digest()
+    assert turn_seed(7, 1, 2, 3) == int.from_bytes(digest, "little") & (2**63 - 1)
+    seeds = {turn_seed(7, g, j, t) for g in range(2) for j in range(3) for t in range(4)}
+    assert len(seeds) == 24 and all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize(
+    "seeding, greedy, want",
+    [("per_sample", False, 5), ("global", False, None), ("per_sample", True, None)],
+)
+def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want):
+    from grouprl.config import validate
+    from grouprl.rollouts import episodes
+
+    seen = {}
+
+    def fake_collect(*args, **kw):
+        seen.update(kw)
+        return SimpleNamespace(info={})
+
+    monkeypatch.setattr(episodes, "collect_episodes", fake_collect)
+    monkeypatch.setattr(episodes, "_make_env", lambda ex: CounterEnv)
+    cfg = validate({"model": {"name_or_path": "m"}, "task": {"name": "env"},
+                    "run": {"seed": 5}, "rollout": {"seeding": seeding}})  # fmt: skip
+    examples = [{"env_id": "x", "seed": 0}]
+    episodes.collect(cfg, None, examples, SamplingParams(), group_size=2, greedy=greedy)
+    assert seen["seed"] == want

@@ -48,6 +48,7 @@ def collect(
             group_size, params, max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
             max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
             first_group_id=first_group_id, greedy=greedy, runner=runner,
+            seed=cfg.run.seed if cfg.rollout.seeding == "per_sample" and not greedy else None,
         )  # fmt: skip
     rollout.info["env_error"] = guard.errors()  # envs are made in episode order
     return rollout

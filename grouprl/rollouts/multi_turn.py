@@ -38,6 +38,7 @@ from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     observation_delta_text,
 )
 from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.rollouts.engines.seeded import turn_seed
 from grouprl.types import Rollout, TokenBatch
 
 
@@ -101,6 +102,7 @@ class _Episode:
     cut_turns: int = 0
     success: bool = False
     end: str = ""  # "terminated" | "env_truncated" | "max_turns" | "context"
+    index: int = 0  # within its group
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.ids)
@@ -126,10 +128,14 @@ def collect_episodes(
     first_group_id: int = 0,
     greedy: bool = False,
     runner: VectorRunner | None = None,
+    seed: int | None = None,
 ) -> Rollout:
     """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
     batched generation over all live episodes each turn, and their env resets / steps run
-    together by `runner` (envs/vector.py; default: sequential in this process).
+    together by `runner` (envs/vector.py; default: sequential in this process). seed: turn t of
+    episode j of group g samples from its own generator seeded by (seed, g, j, t)
+    (rollout.seeding per_sample: episodes then do not depend on the batch or the process count);
+    None: torch's global RNG.
 
     Returns a Rollout: actions = TokenBatch (prompt = system + first observation with the
     generation prompt; completion = assistant turns and observation deltas), mask / step_ids
@@ -152,9 +158,10 @@ def collect_episodes(
     runner = runner if runner is not None else VectorRunner("sequential")
     episodes: list[_Episode] = []
     try:
-        for g, seed in enumerate(seeds):  # appended as made, so `finally` closes every env made
-            for _ in range(group_size):
-                episodes.append(_Episode(make_env(), first_group_id + g, seed, [], [], None))
+        for g, env_seed in enumerate(seeds):  # appended as made: `finally` closes every env made
+            for j in range(group_size):
+                episodes.append(_Episode(make_env(), first_group_id + g, env_seed, [], [], None))
+                episodes[-1].index = j
         starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
         for g in range(len(seeds)):
             members = slice(g * group_size, (g + 1) * group_size)
@@ -169,8 +176,13 @@ def collect_episodes(
             live = [e for e in episodes if not e.end]
             if not live:
                 break
+            sampling = (
+                {}
+                if seed is None
+                else {"seeds": [turn_seed(seed, e.group, e.index, turn) for e in live]}
+            )
             out = policy.engine.generate(
-                [e.prompt + e.ids for e in live], turn_params, greedy=greedy
+                [e.prompt + e.ids for e in live], turn_params, greedy=greedy, **sampling
             )
             texts = []
             for e, ids, lps, cut in zip(live, out.completion_ids, out.logprobs, out.truncated):
