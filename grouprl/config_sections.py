@@ -162,8 +162,9 @@ class RolloutConfig(_Section):
     seeding: Literal["global", "per_sample"] = Field(
         "global",
         description="global: torch's RNG; per_sample: each completion samples from its own "
-        "generator seeded by (run.seed, group id, index), so samples do not depend on the process "
-        "count, the batch split or other RNG use (multi-process and async runs reproduce).",
+        "generator seeded by (run.seed, group id, index; agents: and the turn), so samples do not "
+        "depend on the process count, the batch split or other RNG use (multi-process and async "
+        "runs reproduce). Text rollouts only (an error with model.type flow / unet).",
     )
     old_logp: Literal["recompute", "engine"] = Field(
         "recompute",

@@ -150,3 +150,15 @@ def test_the_dotted_override_path_reaches_the_section():
 
     cfg = validate(apply_overrides(raw(), ["diffusion.sampler=dance_sde", "diffusion.eta=0.25"]))
     assert (cfg.diffusion.sampler, cfg.diffusion.eta) == ("dance_sde", 0.25)
+
+
+@pytest.mark.parametrize("model_type", ["flow", "unet"])
+def test_per_sample_seeding_is_refused_for_image_rollouts(model_type):
+    image = {
+        "model": {"name_or_path": "tiny", "type": model_type},
+        "task": {"name": "image_prompts"},
+    }
+    with pytest.raises(ConfigError, match="image and video rollouts draw their noise"):
+        validate({**image, "rollout": {"seeding": "per_sample"}})
+    validate({**image, "rollout": {"seeding": "global"}})
+    validate({**raw(), "rollout": {"seeding": "per_sample"}})  # text: fine
