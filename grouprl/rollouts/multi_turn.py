@@ -160,8 +160,8 @@ def collect_episodes(
     try:
         for g, env_seed in enumerate(seeds):  # appended as made: `finally` closes every env made
             for j in range(group_size):
-                episodes.append(_Episode(make_env(), first_group_id + g, env_seed, [], [], None))
-                episodes[-1].index = j
+                e = _Episode(make_env(), first_group_id + g, env_seed, [], [], None, index=j)
+                episodes.append(e)
         starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
         for g in range(len(seeds)):
             members = slice(g * group_size, (g + 1) * group_size)
