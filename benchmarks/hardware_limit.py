@@ -241,9 +241,9 @@ def run_model(name: str, a: argparse.Namespace) -> dict[str, Any]:
     before = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     ns = argparse.Namespace(model_dir=model_dir, engine=a.engine, seed=a.seed, lr=1e-5,
                             warmup=a.warmup, steps=a.steps,
-                            profile_step=lambda step, engine: matmul_floor(step, engine, a.steps))  # fmt: skip
+                            after_steps=lambda step, engine: matmul_floor(step, engine, a.steps))  # fmt: skip
     run = text_vs_trl.run_grouprl(ns)
-    floor = run["profile"]
+    floor = run["after_steps"]
     after = matmul_peak(spec["hidden"], spec["intermediate"], vocab)
     peak = max(max(before.values()), max(after.values()))
     params = matmul_params(model_dir)
