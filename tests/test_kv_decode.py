@@ -63,14 +63,20 @@ def _model(kind: str, **extra):
     return model
 
 
-def _reference(model, rows: list[list[int]]) -> torch.Tensor:
-    """Last-position logits of each row from one full forward, left padded: [n, V]."""
+def _left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, mask [n, longest row], rows right-aligned (pad id 0)."""
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r) :] = torch.tensor(r)
         mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def _reference(model, rows: list[list[int]]) -> torch.Tensor:
+    """Last-position logits of each row from one full forward, left padded: [n, V]."""
+    ids, mask = _left_pad(rows)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
@@ -80,16 +86,12 @@ def _reference(model, rows: list[list[int]]) -> torch.Tensor:
 def _run_and_compare(model, decoder, prompts: list[list[int]], steps: int, drop_at: int) -> None:
     """Prefill, repeat rows, decode `steps` tokens (dropping rows at step drop_at); each step's
     logits must equal a full forward over the rows' sequences so far."""
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p)
-        mask[i, P - len(p) :] = 1
+    ids, mask = _left_pad(prompts)
     with torch.no_grad():
         logits = decoder.prefill(ids, mask)
         torch.testing.assert_close(logits, _reference(model, prompts), atol=2e-5, rtol=1e-5)
-        rows = torch.tensor([0, 0, 1, 2, 2, 2])[: 2 * len(prompts)].clamp(max=len(prompts) - 1)
+        copies = torch.tensor([2, 1, 3][: len(prompts)])  # a group's rows, unequal on purpose
+        rows = torch.repeat_interleave(torch.arange(len(prompts)), copies)
         decoder.select(rows)
         seqs = [list(prompts[r]) for r in rows.tolist()]
         logits = logits[rows]
