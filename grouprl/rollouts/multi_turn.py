@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
-
-import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from grouprl.envs.vector import VectorRunner
 from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
@@ -39,7 +36,8 @@ from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
 )
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.engines.seeded import turn_seed
-from grouprl.types import Rollout, TokenBatch
+from grouprl.rollouts.episode_record import Episode, assemble
+from grouprl.types import Rollout
 
 
 def _env_attr(env: Any, name: str, default: Any) -> Any:
@@ -79,39 +77,6 @@ def _fence(text: str) -> str:
         longest = max(longest, run)
     fence = "`" * max(3, longest + 1)
     return f"{fence}text\n{text}\n{fence}"
-
-
-@dataclass
-class _Episode:
-    """One episode's growing record (completion = every token after the initial prompt)."""
-
-    env: Any
-    group: int
-    seed: int
-    messages: list[dict]
-    prompt: list[int]
-    anchor: Hashable  # of the state the next action is taken in
-    ids: list[int] = field(default_factory=list)
-    sampled: list[bool] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
-    step: list[int] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    anchors: list[Hashable] = field(default_factory=list)
-    log: list[str] = field(default_factory=list)
-    invalid: int = 0
-    cut_turns: int = 0
-    success: bool = False
-    end: str = ""  # "terminated" | "env_truncated" | "max_turns" | "context"
-    index: int = 0  # within its group
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.ids)
-
-    def extend(self, ids: list[int], logp: list[float] | None, step: int) -> None:
-        self.ids += ids
-        self.sampled += [logp is not None] * len(ids)
-        self.logp += logp if logp is not None else [0.0] * len(ids)
-        self.step += [step] * len(ids)
 
 
 def collect_episodes(
@@ -156,11 +121,11 @@ def collect_episodes(
     tok, turn_params = policy.tokenizer, replace(params, max_new_tokens=turn_budget)
     limit = max_total_tokens if max_total_tokens is not None else math.inf
     runner = runner if runner is not None else VectorRunner("sequential")
-    episodes: list[_Episode] = []
+    episodes: list[Episode] = []
     try:
         for g, env_seed in enumerate(seeds):  # appended as made: `finally` closes every env made
             for j in range(group_size):
-                e = _Episode(make_env(), first_group_id + g, env_seed, [], [], None, index=j)
+                e = Episode(make_env(), first_group_id + g, env_seed, [], [], None, index=j)
                 episodes.append(e)
         starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
         for g in range(len(seeds)):
@@ -210,10 +175,10 @@ def collect_episodes(
     finally:
         for e in episodes:  # a plain class env may have no close()
             getattr(e.env, "close", lambda: None)()
-    return _assemble(episodes, tok, max_turns)
+    return assemble(episodes, tok, max_turns)
 
 
-def _start_group(policy: Any, members: list[_Episode], starts: list[tuple]) -> None:
+def _start_group(policy: Any, members: list[Episode], starts: list[tuple]) -> None:
     """Fill one group's episodes from their envs' (obs, info) after reset; fail if they do not
     share one start state."""
     for e, (obs, info) in zip(members, starts):
@@ -232,7 +197,7 @@ def _start_group(policy: Any, members: list[_Episode], starts: list[tuple]) -> N
 
 
 def _record_turn(
-    e: _Episode, turn: int, text: str, result: tuple, cut: bool, invalid_penalty: float
+    e: Episode, turn: int, text: str, result: tuple, cut: bool, invalid_penalty: float
 ) -> None:
     """Record the env's answer to one turn's text: reward, anchor, messages, log and ending."""
     obs, reward, terminated, truncated, info = result
@@ -254,51 +219,3 @@ def _record_turn(
     if terminated or truncated:
         e.end = "terminated" if terminated else "env_truncated"
         e.success = bool(info.get("success", False))
-
-
-def _pad(rows: list[torch.Tensor], value: float, side: str) -> torch.Tensor:
-    return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
-
-
-def _assemble(episodes: list[_Episode], tok: Any, max_turns: int) -> Rollout:
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    p_ids = _pad([torch.tensor(e.prompt) for e in episodes], pad, "left")  # [N, P]
-    p_mask = _pad([torch.ones(len(e.prompt), dtype=torch.bool) for e in episodes], 0, "left")
-    c_ids = _pad([torch.tensor(e.ids) for e in episodes], pad, "right")  # [N, T]
-    c_mask = _pad([torch.ones(len(e.ids), dtype=torch.bool) for e in episodes], 0, "right")
-    mask = _pad([torch.tensor(e.sampled) for e in episodes], 0, "right")  # [N, T] assistant only
-    logp = _pad([torch.tensor(e.logp, dtype=torch.float32) for e in episodes], 0.0, "right")
-    step_ids = _pad([torch.tensor(e.step) for e in episodes], -1, "right")  # [N, T]
-    step_rewards = torch.full((len(episodes), max_turns), math.nan)  # [N, max_turns]
-    for i, e in enumerate(episodes):
-        step_rewards[i, : len(e.rewards)] = torch.tensor(e.rewards)
-    truncated = torch.tensor([e.end != "terminated" for e in episodes])  # [N]
-    returns = torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float32)  # [N]
-    for e, r in zip(episodes, returns.tolist()):
-        e.log.append(
-            f"**end**: {e.end}, success {e.success}, return {r:+.3f}, turns {len(e.rewards)}, "
-            f"invalid actions {e.invalid}\n"
-        )
-    return Rollout(
-        group_ids=torch.tensor([e.group for e in episodes]),  # [N]
-        rewards={"return": returns},
-        actions=TokenBatch(p_ids, p_mask, c_ids, c_mask, truncated),
-        old_logp=logp.clone(),  # [N, T]
-        mask=mask,  # [N, T]
-        engine_logp=logp,  # [N, T]; 0 on env tokens
-        step_ids=step_ids,  # [N, T]; -1 on env tokens and padding
-        step_rewards=step_rewards,  # [N, max_turns]; NaN after the episode ended
-        anchor_keys=[e.anchors for e in episodes],
-        info={
-            "transcript": ["\n".join(e.log) for e in episodes],
-            "success": [e.success for e in episodes],
-            "turns": [len(e.rewards) for e in episodes],
-            "invalid_actions": [e.invalid for e in episodes],
-            "cut_turns": [e.cut_turns for e in episodes],
-            "end_reason": [e.end for e in episodes],
-            "seed": [e.seed for e in episodes],
-            "messages": [e.messages for e in episodes],
-            "prompt": [e.messages[: len(e.messages) - 2 * len(e.rewards)] for e in episodes],
-            "completion": tok.batch_decode([e.ids for e in episodes], skip_special_tokens=True),
-        },
-    )
