@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives import LIKELIHOOD_FREE, compute_advantages, total_loss
-from grouprl.objectives.advantages import batch_std
 from grouprl.objectives.aggregation import aggregate
 from grouprl.objectives.flow_guard import guard_step_loss
 from grouprl.objectives.flow_support import (
@@ -41,6 +40,7 @@ from grouprl.objectives.flow_support import (
     likelihood_free_options,
     stratified_timestep_indices,
 )
+from grouprl.objectives.group_stats import batch_std
 from grouprl.policies.flow_math import ratio_diagnostics
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights

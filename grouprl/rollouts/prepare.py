@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives import compute_advantages, sequence_kl
-from grouprl.objectives.advantages import batch_std
 from grouprl.objectives.aggregation import delta_l_weights
+from grouprl.objectives.group_stats import batch_std
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
 from grouprl.rollouts.episodes import advantages as episode_advantages
 from grouprl.rollouts.filters import combined_reward
