@@ -18,22 +18,24 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from grouprl.config_diffusion import DiffusionConfig
-from grouprl.config_sections import (  # noqa: F401  (re-exported: the public config API)
-    Advantage,
+from grouprl.config_loop import (  # noqa: F401  (re-exported: the public config API)
     AgentConfig,
-    Aggregation,
-    AlgorithmConfig,
     CheckpointConfig,
-    Correction,
     CurriculumConfig,
     EvalConfig,
+    TrainConfig,
+)
+from grouprl.config_sections import (  # noqa: F401  (re-exported: the public config API)
+    Advantage,
+    Aggregation,
+    AlgorithmConfig,
+    Correction,
     LoRAConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
     TaskConfig,
-    TrainConfig,
     _Section,
 )
 from grouprl.objectives.presets import preset_settings
