@@ -1,11 +1,12 @@
 """The text policy: a transformers causal LM (optionally with a peft LoRA adapter).
 
 GRPO as in DeepSeekMath (arXiv:2402.03300): sample G completions per prompt, score per-token
-log-probs of the completion tokens. Sampling goes through a text engine (default HFEngine on this
-very model); scoring is one forward of [left-padded prompt | right-padded completion] with
-position ids taken from the attention mask (so left padding never shifts positions), the LM head
-applied chunk by chunk (see logprobs.py). LoRA follows arXiv:2106.09685; the reference policy under
-LoRA is the same weights with the adapter disabled.
+log-probs of the completion tokens. Sampling goes through a text engine (default FastEngine on
+this very model, rollouts/engines/fast.py); scoring runs [left-padded prompt | right-padded
+completion] with position ids taken from the attention mask (so left padding never shifts
+positions): by default each group's prompt once and a fused LM head (fast_logprobs.py), or the
+plain chunked path (logprobs.py). LoRA follows arXiv:2106.09685; the reference policy under LoRA
+is the same weights with the adapter disabled. Loading and prompt encoding: loading.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from grouprl.policies.loading import DType, Prompt, encode_prompts, load_causal_lm
 from grouprl.policies.logprobs import completion_logprobs
 from grouprl.policies.lora import LoRASettings, add_lora
 from grouprl.policies.lora import lora_settings as _lora_settings
@@ -30,35 +32,8 @@ from grouprl.rollouts.engines.hf import HFEngine
 from grouprl.rollouts.engines.seeded import group_seeds
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
 
-DType = Literal["float32", "bfloat16", "float16"]
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-Prompt = str | list[dict[str, str]]
 # engines that generate with the policy's own model object, by rollout.engine name
 LOCAL_ENGINES: dict[str, Any] = {"hf": HFEngine, "fast": FastEngine}
-
-
-def _check_source(name_or_path: str) -> None:
-    """Fail early with one message for a local path that cannot hold a model."""
-    path = Path(name_or_path).expanduser()
-    looks_local = (
-        path.exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1
-    )
-    if not looks_local:
-        return  # a hub id such as "Qwen/Qwen2.5-0.5B"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} is not a directory; expected a folder written by "
-            "save_pretrained (config.json, *.safetensors and tokenizer files) or a hub id"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model directory {str(path)!r} has no config.json; expected a folder written by "
-            "save_pretrained (config.json, *.safetensors and tokenizer files)"
-        )
 
 
 class _Scorer:
@@ -136,24 +111,7 @@ class CausalLMPolicy:
         **kwargs: Any,
     ) -> CausalLMPolicy:
         """Load model + tokenizer from a hub id or a local directory; kwargs go to __init__."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        _check_source(str(name_or_path))
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(
-                name_or_path, trust_remote_code=trust_remote_code
-            )
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-            )
-        except (OSError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(
-                f"could not load a causal LM and tokenizer from {str(name_or_path)!r} "
-                f"(a hub id or a save_pretrained folder was expected): {first}"
-            ) from None
+        model, tokenizer = load_causal_lm(name_or_path, dtype, trust_remote_code)
         return cls(model, tokenizer, **kwargs)
 
     # ---- prompts and sampling ------------------------------------------------------------------
@@ -161,29 +119,7 @@ class CausalLMPolicy:
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
         """Token ids per prompt: chat messages via the chat template (+ generation prompt),
         plain strings as-is (plus BOS only if this tokenizer normally adds one)."""
-        tok, out = self.tokenizer, []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                text = prompt
-            elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-                if not getattr(tok, "chat_template", None):
-                    raise ValueError(
-                        "conversational prompts (lists of {'role', 'content'}) need a tokenizer "
-                        "with a chat template, and this tokenizer has none"
-                    )
-                text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            else:
-                raise TypeError(
-                    f"prompt {i} must be a string or a list of {{'role', 'content'}} dicts, "
-                    f"got {type(prompt).__name__}"
-                )
-            ids = tok(text, add_special_tokens=False).input_ids
-            bos = tok.bos_token_id
-            if isinstance(prompt, str) and bos is not None and ids[:1] != [bos]:
-                if tok(text, add_special_tokens=True).input_ids[:1] == [bos]:
-                    ids = [bos, *ids]
-            out.append(ids)
-        return out
+        return encode_prompts(self.tokenizer, prompts)
 
     def sample(
         self,
