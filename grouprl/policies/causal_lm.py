@@ -1,12 +1,13 @@
 """The text policy: a transformers causal LM (optionally with a peft LoRA adapter).
 
 GRPO as in DeepSeekMath (arXiv:2402.03300): sample G completions per prompt, score per-token
-log-probs of the completion tokens. Sampling goes through a text engine (default FastEngine on
-this very model, rollouts/engines/fast.py); scoring runs [left-padded prompt | right-padded
-completion] with position ids taken from the attention mask (so left padding never shifts
-positions): by default each group's prompt once and a fused LM head (fast_logprobs.py), or the
-plain chunked path (logprobs.py). LoRA follows arXiv:2106.09685; the reference policy under LoRA
-is the same weights with the adapter disabled. Loading and prompt encoding: loading.py.
+log-probs of the completion tokens. Sampling goes through a text engine on this very model
+(constructor default HFEngine; a config's rollout.engine defaults to "fast", FastEngine).
+Scoring runs [left-padded prompt | right-padded completion] with position ids taken from the
+attention mask (so left padding never shifts positions): by default each group's prompt once and
+a fused LM head (fast_logprobs.py), or the plain chunked path (logprobs.py). LoRA follows
+arXiv:2106.09685; the reference policy under LoRA is the same weights with the adapter disabled.
+Loading and prompt encoding: loading.py.
 """
 
 from __future__ import annotations
