@@ -33,12 +33,9 @@ Choices and deviations:
 - train_cfg "same" recomputes the guided prediction with the rollout's per-sample guidance scale;
   "none" uses the conditional branch only (Flow-GRPO's no-CFG training). With "none" and a rollout
   guidance > 1 the stored old_logp is not the trained policy's: recompute it (rollout.old_logp).
-- kl_form "flow_grpo" divides by 2 g^2 (g^2 = std^2 / (sigma_k - sigma_{k+1}), Flow-GRPO's code and
-  its beta); "exact" divides by 2 std^2.
-- The reference under full fine-tuning is a frozen copy made on first use (only when a KL is on);
-  under LoRA the same weights with the adapter bypassed.
-- The old weights (forward_noising which="old") are a copy of the trainable weights swapped in for
-  a no-grad forward; update_old(d) sets old <- d old + (1 - d) current (DiffusionNFT's EMA).
+- The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
+  "old" weights of DiffusionNFT / AWM: flow_weights.py. Sampling: flow_sampling.py; the schedule,
+  one step and the KL variance: flow_step_rules.py; forward noising: flow_noising.py.
 """
 
 from __future__ import annotations
@@ -63,17 +60,16 @@ from grouprl.policies.flow_models import (
     latent_shape_for,  # re-exported (public API)
     predict,
 )
+from grouprl.policies.flow_noising import forward_noising
+from grouprl.policies.flow_sampling import sample_groups
 from grouprl.policies.flow_schedule import (
     StepSelectionSettings,
-    flow_sigmas,
-    initial_noise,
-    select_steps,
 )
-from grouprl.policies.flow_steps import bcast, run_chain, score_chain, where_rows
+from grouprl.policies.flow_step_rules import FlowStepRules
+from grouprl.policies.flow_steps import score_chain
 from grouprl.policies.flow_text import PromptEncoder
-from grouprl.policies.flow_types import FlowBatch, FlowCondition
+from grouprl.policies.flow_types import FlowBatch, FlowCondition, check_choice
 from grouprl.policies.flow_weights import FlowWeights
-from grouprl.policies.samplers import SAMPLER_OPTIONS, SAMPLERS, StepOutput, ode
 from grouprl.types import PolicyOutput, Rollout
 
 TrainCFG = Literal["same", "none"]
@@ -90,7 +86,7 @@ class _Scorer:
         return self._policy._score(self._model, batch, steps)
 
 
-class FlowPolicy:
+class FlowPolicy(FlowStepRules):
     """Samples groups of denoising trajectories and scores their per-step log-probs (module doc)."""
 
     sampler_names = ("flow_sde", "dance_sde", "cps", "ode")
@@ -121,9 +117,9 @@ class FlowPolicy:
         self.family = family_of(model, family)
         if sampler not in self.sampler_names:
             raise ValueError(f"sampler must be one of {list(self.sampler_names)}, got {sampler!r}")
-        _check_choice("train_cfg", train_cfg, ("same", "none"))
-        _check_choice("kl_form", kl_form, ("flow_grpo", "exact"))
-        _check_choice("initial_noise", initial_noise, ("independent", "shared"))
+        check_choice("train_cfg", train_cfg, ("same", "none"))
+        check_choice("kl_form", kl_form, ("flow_grpo", "exact"))
+        check_choice("initial_noise", initial_noise, ("independent", "shared"))
         if len(latent_shape) != (4 if self.family.video else 3) and self.family.name != "module":
             raise ValueError(
                 f"latent_shape {tuple(latent_shape)} does not fit family {self.family.name!r}"
@@ -155,38 +151,6 @@ class FlowPolicy:
         if vae is not None:
             vae.requires_grad_(False).eval()
 
-    # ---- schedule, one step, KL variance (the DDIM policy overrides these three) ---------------
-
-    def _schedule(self, num_steps: int) -> dict[str, Tensor]:
-        """Per-slot values [K+1]: sigmas and the network's timesteps (sigma * num_train_timesteps)."""
-        seq = None
-        if self.family.name == "flux":
-            seq = (self.latent_shape[-2] // 2) * (self.latent_shape[-1] // 2)
-        sigmas = flow_sigmas(self.scheduler_config, num_steps, image_seq_len=seq,
-                             spacing=self.sigma_spacing)  # fmt: skip  # [K+1]
-        scale = self.scheduler_config.get("num_train_timesteps", 1000)
-        return {"sigmas": sigmas, "timesteps": sigmas * scale, "alphas": None}
-
-    def _step(self, batch_cols: dict[str, Tensor], k: int, x: Tensor, pred: Tensor,
-              stochastic: Tensor, sampler: str, noise_level: float,
-              prev_sample: Tensor | None, generator) -> StepOutput:  # fmt: skip
-        """x_k -> x_{k+1} for rows [B]: the sampler on stochastic rows, the ODE step elsewhere."""
-        sig, nxt = batch_cols["sigmas"][:, k], batch_cols["sigmas"][:, k + 1]  # [B] each
-        det = ode(x, pred, sig, nxt, prev_sample=prev_sample)
-        if not bool(stochastic.any()):
-            return det
-        opts = {name: noise_level for name in SAMPLER_OPTIONS[sampler]}
-        sde = SAMPLERS[sampler](
-            x, pred, sig, nxt, prev_sample=prev_sample, generator=generator, **opts
-        )
-        return where_rows(stochastic, sde, det)
-
-    def _kl_var(self, batch: FlowBatch, std: Tensor) -> Tensor:  # [n, K]
-        if self.kl_form == "exact":
-            return std**2
-        gap = (batch.sigmas[:, :-1] - batch.sigmas[:, 1:]).float()  # [n, K]  sigma_k - sigma_{k+1}
-        return std**2 / gap
-
     # ---- conditioning and sampling ------------------------------------------------------------
 
     @property
@@ -207,77 +171,11 @@ class FlowPolicy:
             cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb,
         )  # fmt: skip  # [B, *latent] float32
 
-    @torch.no_grad()
-    def sample(
-        self,
-        cond: FlowCondition | list[str],
-        group_size: int,
-        *,
-        steps: int | None = None,
-        mode: Literal["rollout", "eval"] = "rollout",
-        generator: torch.Generator | None = None,
-        group_ids: Tensor | list[int] | None = None,
-        optimizer_step: int = 0,
-        guidance_scale: float | None = None,
-        chunk_size: int | None = None,
-        store_means: bool = False,
-    ) -> Rollout:
+    def sample(self, cond: FlowCondition | list[str], group_size: int, **options: Any) -> Rollout:
         """group_size trajectories per condition row (consecutive rows); rewards are left empty.
-
-        mode "rollout": rollout_steps (or `steps`), step selection decides stochastic / trained
-        steps. mode "eval": eval_steps, every step deterministic, nothing trained (mask all False).
-        Sampler "ode" (DiffusionNFT / AWM rollouts): deterministic steps, mask all False.
-        """
-        _check_choice("mode", mode, ("rollout", "eval"))
-        prompts = cond if isinstance(cond, list) else None
-        cond = self.encode(cond) if isinstance(cond, list) else cond
-        b, dev = len(cond), self.device
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        gids = (
-            torch.arange(b) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
-        )
-        if gids.shape != (b,):
-            raise ValueError(
-                f"group_ids must have one id per condition row ({b}), got {tuple(gids.shape)}"
-            )
-        gids = gids.repeat_interleave(group_size)  # [N]
-        n = len(gids)
-        k_steps = steps or (self.rollout_steps if mode == "rollout" else self.eval_steps)
-        sched = self._schedule(k_steps)
-        cols = {
-            k: v.to(dev)[None].expand(n, -1).contiguous() for k, v in sched.items() if v is not None
-        }
-        seed = int(torch.randint(2**62, (1,), generator=generator, device=_gen_device(generator)))
-        if mode == "rollout" and self.sampler != "ode":
-            sel = select_steps(self.steps, k_steps, gids, generator=torch.Generator().manual_seed(seed),
-                               optimizer_step=optimizer_step)  # fmt: skip
-            train, stochastic = sel.train.to(dev), sel.stochastic.to(dev)  # [N, K] each
-        else:
-            train = stochastic = torch.zeros(n, k_steps, dtype=torch.bool, device=dev)
-        gs = self.guidance_scale if guidance_scale is None else float(guidance_scale)
-        gscale = torch.full((n,), gs, device=dev)  # [N]
-        cond_n = cond.repeat(group_size).to(dev)
-        x = initial_noise(
-            self.latent_shape, gids, self.initial_noise, generator=generator, device=dev
-        )
-        self.model.eval()
-        latents, logp, means = run_chain(
-            partial(self._predict, self.model), self._step, x, cols, cond_n, gscale, stochastic,
-            train, sampler=self.sampler, noise_level=self.noise_level, generator=generator,
-            chunk=chunk_size or n, store_means=store_means,
-        )  # fmt: skip
-        batch = FlowBatch(
-            latents=latents, sigmas=cols["sigmas"], timesteps=cols["timesteps"], cond=cond_n,
-            guidance_scale=gscale, train_mask=train, stochastic=stochastic,
-            alphas=cols.get("alphas"), old_mean=means, sampler=self.sampler,
-            noise_level=self.noise_level,
-        )  # fmt: skip
-        info = (
-            {} if prompts is None else {"prompt": [p for p in prompts for _ in range(group_size)]}
-        )
-        return Rollout(group_ids=gids, rewards={}, actions=batch, old_logp=logp, mask=train.clone(),
-                       info=info)  # fmt: skip
+        Options (steps, mode, generator, group_ids, optimizer_step, guidance_scale, chunk_size,
+        store_means): flow_sampling.sample_groups."""
+        return sample_groups(self, cond, group_size, **options)
 
     # ---- scoring ------------------------------------------------------------------------------
 
@@ -326,26 +224,11 @@ class FlowPolicy:
                  for i in range(0, len(latents), chunk)]  # fmt: skip
         return torch.cat(parts)
 
-    def forward_noising(
-        self, x0: Tensor, t: Tensor, noise: Tensor, cond: FlowCondition, *,
-        which: Literal["current", "old", "ref"] = "current", guidance_scale: float = 1.0,
-    ) -> Tensor:  # fmt: skip
-        """Velocity Float[B, ...] at x_t = (1 - t) x0 + t noise (t: Float[B] in [0, 1]); "current"
-        keeps the graph, "old" / "ref" run without grad under the old / reference weights."""
-        _check_choice("which", which, ("current", "old", "ref"))
-        t = t.float().to(x0.device)  # [B]
-        xt = (1 - bcast(t, x0)) * x0.float() + bcast(t, x0) * noise.float()  # [B, ...]
-        cols = {
-            "sigmas": t[:, None],
-            "timesteps": (t * self.scheduler_config.get("num_train_timesteps", 1000))[:, None],
-        }
-        gscale = torch.full_like(t, guidance_scale)  # [B]
-        if which == "current":
-            return self._predict(self.model, xt, cols, 0, cond, gscale)
-        ctx = self.old_weights() if which == "old" else self.reference()
-        with torch.no_grad(), ctx as scorer:
-            model = self.model if which == "old" else scorer._model
-            return self._predict(model, xt, cols, 0, cond, gscale)
+    def forward_noising(self, x0: Tensor, t: Tensor, noise: Tensor, cond: FlowCondition,
+                        **options: Any) -> Tensor:  # fmt: skip
+        """Velocity at x_t = (1 - t) x0 + t noise; options `which` ("current" | "old" | "ref") and
+        `guidance_scale`: flow_noising.forward_noising."""
+        return forward_noising(self, x0, t, noise, cond, **options)
 
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * current (the first call copies the current weights)."""
@@ -405,12 +288,3 @@ class FlowPolicy:
     def load_saved_weights(self, directory: str | Path) -> None:
         """Load what save_pretrained wrote: the LoRA file (LoRA) or the full model folder."""
         self.weights.load(Path(directory))
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _gen_device(generator: torch.Generator | None) -> torch.device:
-    return generator.device if generator is not None else torch.device("cpu")

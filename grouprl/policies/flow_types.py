@@ -6,6 +6,7 @@ first axis, so `Rollout.select` picks rows of every tensor in them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -159,3 +160,9 @@ class FlowBatch:
             else:
                 out[f.name] = values[0]
         return cls(**out)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """A ValueError naming the allowed values when `value` is not one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
