@@ -36,7 +36,6 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 class KVDecoder(ABC):
     """Decode state of one batch of rows; see the module docstring."""
 
-    mask: Tensor  # [n, columns so far] 1 = a real token
     position: Tensor  # [n] rotary position of each row's next token
 
     @abstractmethod
@@ -52,10 +51,10 @@ class KVDecoder(ABC):
         """tokens [n] (one per row) -> logits of the next token [n, V]."""
 
     def _start(self, mask: Tensor) -> Tensor:
-        """Remember the mask; rotary positions of the prompt columns [B, P] (pads clamped to 0)."""
-        self.mask = mask.long()
-        self.position = self.mask.sum(1)  # [B]
-        return (self.mask.cumsum(1) - 1).clamp(min=0)  # [B, P]
+        """Rotary positions of the prompt columns [B, P] (pads clamped to 0); sets `position`."""
+        mask = mask.long()
+        self.position = mask.sum(1)  # [B]
+        return (mask.cumsum(1) - 1).clamp(min=0)  # [B, P]
 
 
 class DynamicKVDecoder(KVDecoder):
@@ -64,6 +63,7 @@ class DynamicKVDecoder(KVDecoder):
     def __init__(self, model: Any) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(0, 0, dtype=torch.long)  # [n, columns so far] 1 = a real token
 
     def _forward(self, ids: Tensor, positions: Tensor) -> Tensor:
         out = self.model(
@@ -77,7 +77,9 @@ class DynamicKVDecoder(KVDecoder):
         return out.logits[:, -1]  # [n, V]
 
     def prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
-        return self._forward(ids, self._start(mask))
+        positions = self._start(mask)
+        self.mask = mask.long()
+        return self._forward(ids, positions)
 
     def select(self, rows: Tensor) -> None:
         self.cache.reorder_cache(rows)
@@ -124,19 +126,24 @@ class StaticKVDecoder(KVDecoder):
         self.keys: list[Tensor] = []  # per layer [n, kv_heads, capacity, head_dim]
         self.values: list[Tensor] = []
         self.length = 0  # columns filled
+        # [n, capacity] True = a real token (pads only in the prompt columns); all_real: no pads
+        self.visible = torch.zeros(0, capacity, dtype=torch.bool)
+        self.all_real = True
 
     def prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
         B, P = ids.shape
         if P > self.capacity:
             raise ValueError(f"StaticKVDecoder: prompt of {P} columns > capacity {self.capacity}")
         positions = self._start(mask)  # [B, P]
-        real = self.mask.bool()  # [B, P]
+        real = mask.bool()  # [B, P]
         eye = torch.eye(P, dtype=torch.bool, device=ids.device)
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()  # [P, P]
         # A pad column's query also sees itself, so no row is fully masked: some attention
         # backends return NaN for such rows, and a NaN value reaches real rows even at weight 0.
         allowed = (causal[None] & real[:, None, :]) | eye  # [B, P, P]
         self.all_real = bool(real.all())
+        self.visible = torch.ones(B, self.capacity, dtype=torch.bool, device=ids.device)
+        self.visible[:, :P] = real
         return self._forward(ids, positions, allowed[:, None])
 
     def select(self, rows: Tensor) -> None:
@@ -150,13 +157,13 @@ class StaticKVDecoder(KVDecoder):
                     buf = buf.new_empty((n, *buf.shape[1:]))
                 buf[:n, :, :L] = kept
                 buffers[i] = buf[:n]
-        self.mask, self.position = self.mask[rows], self.position[rows]
+        self.visible, self.position = self.visible[rows], self.position[rows]
 
     def step(self, tokens: Tensor) -> Tensor:
         if self.length >= self.capacity:
             raise ValueError(f"StaticKVDecoder: all {self.capacity} cache columns are used")
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)  # [n, L+1]
-        allowed = None if self.all_real else self.mask.bool()[:, None, None, :]  # [n, 1, 1, L+1]
+        hi = self.length + 1
+        allowed = None if self.all_real else self.visible[:, None, None, :hi]  # [n, 1, 1, L+1]
         logits = self._forward(tokens[:, None], self.position[:, None], allowed)
         self.position = self.position + 1
         return logits
