@@ -28,10 +28,10 @@ parallel, e.g. this repository's test machine, see benchmarks/README.md). The wo
 the snapshot, its engine and tokenizer; the trainer copies weights in only while it is idle. The
 prompt sampler is drawn from by the worker only; a checkpoint stores its state from before the
 in-flight batch was drawn (`saved_sampler`), so a resumed run draws that batch again (sampled with
-the resumed weights). Rewards run in the worker
-(math-verify has no signal-based time limit off the main thread: use rewards[i].timeout_s). With
-rollout.seeding per_sample the worker never touches torch's global RNG and runs reproduce; with
-global seeding at staleness 1 both threads draw from the global RNG in an order that varies.
+the resumed weights). Rewards run in the worker (math-verify has no signal-based time limit off
+the main thread: use rewards[i].timeout_s). With rollout.seeding per_sample the worker never
+touches torch's global RNG and runs reproduce; with global seeding at staleness 1 both threads
+draw from the global RNG in an order that varies.
 
 Memory: one extra copy of the model. Refused, with a message: several processes (the worker's
 gathers would interleave with the trainer's collectives), rollout.engine vllm (its weights are
