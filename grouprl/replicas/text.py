@@ -1,0 +1,432 @@
+"""Tiny random-weight replicas of the text model families the configs and README name.
+
+Each builder writes, in code and with no download, a folder laid out as the hub download of the
+real model is: config.json and generation_config.json (the real architecture class, special-token
+ids, sampling defaults and dtype), model.safetensors, tokenizer.json, tokenizer_config.json (with
+the family's chat template), special_tokens_map.json, and vocab.json / merges.txt where the family
+ships them. Only sizes are shrunk: hidden 32, 2 layers, a byte-level BPE of ~600 merges trained
+with the `tokenizers` library on the small corpus below. The tokenizer is built with the family's
+own transformers class (Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer, or the plain tokenizer.json
+of Llama 3), so its pre-tokenizer, normaliser and decoder are the real ones; the special tokens
+are the real ones, numbered after the vocabulary as the real ones are (Mistral's control tokens
+come first, as in Mistral's own vocabulary).
+
+  qwen2.5  Qwen2ForCausalLM, ChatML with its tools branch (chat_templates.QWEN25)
+  qwen3    Qwen3ForCausalLM, <think> tags, enable_thinking (chat_templates.QWEN3)
+  llama3   LlamaForCausalLM (Llama 3.2 Instruct), header ids, <|eot_id|> / <|eom_id|>, ipython
+  mistral  MistralForCausalLM (Mistral-7B-Instruct-v0.3), [INST] / [TOOL_CALLS] / [TOOL_RESULTS]
+  gpt2     GPT2LMHeadModel with GPT-2's dropout 0.1 (resid / embd / attn), no chat template
+
+Deviations (all of size, none of kind): tiny vocabularies (so ids of ordinary text differ from the
+real ones), 2 layers; Llama 3 keeps its 256 reserved special tokens; Mistral's tokenizer.model
+(sentencepiece protobuf) is not written: tokenizer.json carries the same BPE with byte fallback.
+
+`build(family, out_dir)` writes one folder; `TEXT_REPLICAS` maps each family to its builder
+(`fn(out_dir) -> out_dir`), for the replica registry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouprl.replicas.chat_templates import TEMPLATES
+
+_SEED = 0
+_VOCAB = 640  # learned BPE vocabulary (before special tokens)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A tiny model learns to add numbers.",
+    "Question: What is 12 + 30? Answer: 42. #### 42",
+    "Tom has 3 boxes of 12 apples and gives away 5. How many apples are left? 31",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    'import json\nprint(json.dumps({"name": "python", "arguments": {"code": "print(1)"}}))',
+    '{"type": "function", "function": {"name": "get_weather", "description": "Get the weather", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
+    '"required": ["city"]}}}',
+    "You are a helpful assistant. Use the tools when they help. Think step by step.",
+    "The answer is 7. The sum of 1, 2 and 4 is 7. Use +, -, *, / and ( ) once each.",
+    "Walk to G, avoid H. <action>right</action> <action>down</action> left up",
+    "Paris is the capital of France. The weather in Paris is sunny and 22 degrees.",
+    "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024",
+    "Given the following functions, please respond with a JSON for a function call.",
+    "<answer>31</answer> <think>Let me compute 3 * 12 - 5 = 31.</think> The result is 31.",
+    "countdown: reach 24 with 3, 4, 6 and 1. (6 - 3) * (4 + 1) - 1 = 14, 6 * 4 * 1 = 24",
+    "\t\tindented\r\nwindows line\n\n\nthree newlines   spaces  end. ÄÖÜ é 中文 ✓",
+]
+
+
+# --------------------------------------------------------------------------- tokenizers
+def _train_bpe(pre_tokenizer: Any, vocab_size: int, normalizer: Any = None) -> tuple[dict, list]:
+    """Byte-level BPE (vocab, merges as (left, right) pairs) trained on the corpus with the family's pre-tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is unknown
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+_QWEN_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_byte_level(regex: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# Qwen's added tokens in id order after the vocabulary (special=False ones are ordinary text
+# markers the model writes: tool calls, fill-in-the-middle, and Qwen3's think / tool_response).
+_QWEN25_ADDED = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False),
+    ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+]  # fmt: skip
+_QWEN3_ADDED = _QWEN25_ADDED + [
+    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
+]  # fmt: skip
+
+
+def _qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
+    from tokenizers import AddedToken, normalizers
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_bpe(_split_byte_level(_QWEN_REGEX), _VOCAB, normalizers.NFC())
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=131072,
+        split_special_tokens=False,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.add_tokens(
+        [AddedToken(t, special=s, normalized=False) for t, s in added], special_tokens=False
+    )
+    tok.add_special_tokens({"additional_special_tokens": [t for t, s in added if s][1:]})
+    tok.chat_template = template
+    return tok, vocab, merges
+
+
+_LLAMA3_NAMED = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+]  # fmt: skip
+
+
+def _llama3_tokenizer() -> Any:
+    """Llama 3's tokenizer.json: byte-level BPE, 256 special tokens after the vocabulary, a BOS
+    post-processor; loaded as PreTrainedTokenizerFast as the hub folder declares."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = _train_bpe(_split_byte_level(_LLAMA3_REGEX), _VOCAB)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = _split_byte_level(_LLAMA3_REGEX)
+    tk.decoder = decoders.ByteLevel()
+    specials = _LLAMA3_NAMED + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    bos = "<|begin_of_text|>"
+    tk.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, tk.token_to_id(bos))],
+            ),
+        ]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=bos,
+        eos_token="<|eot_id|>",
+        model_max_length=131072,
+        clean_up_tokenization_spaces=True,
+        model_input_names=["input_ids", "attention_mask"],
+    )
+    tok.chat_template = TEMPLATES["llama3"]
+    return tok
+
+
+_MISTRAL_NAMED = [
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+]  # fmt: skip
+
+
+def _mistral_tokenizer() -> Any:
+    """Mistral v0.3: sentencepiece-style BPE with byte fallback; ids 0-770 are control tokens
+    (<unk>, <s>, </s>, [INST] ... [/TOOL_RESULTS], [control_8] ... [control_768]), then the 256
+    byte tokens <0x00>..<0xFF>, then the learned pieces."""
+    from tokenizers import AddedToken, pre_tokenizers
+    from transformers import LlamaTokenizer
+
+    learned, merges = _train_bpe(
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False), _VOCAB
+    )
+    controls = _MISTRAL_NAMED + [f"[control_{i}]" for i in range(8, 769)]
+    vocab = {t: i for i, t in enumerate(controls)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    # the trained model is byte-level over Metaspace pieces; keep its pieces made only of
+    # printable characters (sentencepiece pieces are text, bytes come from the fallback)
+    byte_chars = set(pre_tokenizers.ByteLevel.alphabet())
+    for piece in sorted(learned, key=learned.get):
+        if piece not in vocab and not (len(piece) == 1 and piece in byte_chars and piece != "▁"):
+            vocab[piece] = len(vocab)
+    for piece in ("▁",):
+        vocab.setdefault(piece, len(vocab))
+    merges = [m for m in merges if all(p in vocab for p in m) and "".join(m) in vocab]
+    tok = LlamaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        add_bos_token=True,
+        add_eos_token=False,
+        legacy=False,
+        model_max_length=1000000000000000019884624838656,
+    )
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in controls])
+    tok.chat_template = TEMPLATES["mistral"]
+    return tok
+
+
+def _gpt2_tokenizer() -> Any:
+    from tokenizers import pre_tokenizers
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = _train_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), _VOCAB)
+    vocab = dict(vocab)
+    vocab["<|endoftext|>"] = len(vocab)  # GPT-2's only special token is its last id
+    tok = GPT2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        errors="replace",
+        unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        add_prefix_space=False,
+        model_max_length=1024,
+    )
+    return tok, vocab, merges
+
+
+# --------------------------------------------------------------------------- models
+_TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def _write_vocab_files(out: Path, vocab: dict, merges: list[tuple[str, str]]) -> None:
+    """vocab.json / merges.txt as the families that ship them do (GPT-2, Qwen)."""
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (out / "merges.txt").write_text(
+        "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n"
+    )
+
+
+def _save(
+    model: Any,
+    tok: Any,
+    gen: dict,
+    out: Path,
+    dtype: torch.dtype,
+    tokenizer_class: str | None = None,
+) -> Path:
+    """save_pretrained of model, generation config and tokenizer; the chat template goes into
+    tokenizer_config.json (as hub folders of these families have it, not chat_template.jinja)."""
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(**gen).save_pretrained(out)
+    tok.save_pretrained(out, save_jinja_files=False)
+    if tokenizer_class is not None:  # the class name the hub folder declares
+        path = out / "tokenizer_config.json"
+        cfg = json.loads(path.read_text())
+        cfg["tokenizer_class"] = tokenizer_class
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    special = {
+        k: getattr(tok, k)
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if getattr(tok, k, None) is not None
+    }
+    extra = list(getattr(tok, "extra_special_tokens", None) or [])
+    if extra:
+        special["additional_special_tokens"] = extra
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return out
+
+
+def _init(model: Any) -> Any:
+    torch.manual_seed(_SEED)
+    model.apply(model._init_weights)
+    return model
+
+
+def build_qwen25(out: Path | str) -> Path:
+    """Qwen2.5-Instruct (Qwen2ForCausalLM, ChatML with tools, tied embeddings as the 0.5B)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out)
+    tok, vocab, merges = _qwen_tokenizer(_QWEN25_ADDED, TEMPLATES["qwen2.5"])
+    eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen2Config(
+        vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
+        sliding_window=32768, max_window_layers=2, attention_dropout=0.0, bos_token_id=eot,
+        eos_token_id=eos, dtype="bfloat16", **_TINY,
+    )  # fmt: skip
+    torch.manual_seed(_SEED)
+    model = Qwen2ForCausalLM(cfg)
+    gen = dict(
+        bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
+        temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+    )  # fmt: skip
+    _save(model, tok, gen, out, torch.bfloat16)
+    _write_vocab_files(out, vocab, merges)
+    return out
+
+
+def build_qwen3(out: Path | str) -> Path:
+    """Qwen3 (Qwen3ForCausalLM, head_dim and q/k norms, thinking template)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out)
+    tok, vocab, merges = _qwen_tokenizer(_QWEN3_ADDED, TEMPLATES["qwen3"])
+    eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3Config(
+        vocab_size=len(tok), max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, head_dim=16, hidden_act="silu", tie_word_embeddings=True,
+        use_sliding_window=False, max_window_layers=2, attention_bias=False,
+        attention_dropout=0.0, bos_token_id=eot, eos_token_id=eos, dtype="bfloat16", **_TINY,
+    )  # fmt: skip
+    torch.manual_seed(_SEED)
+    model = Qwen3ForCausalLM(cfg)
+    gen = dict(
+        bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
+        temperature=0.6, top_p=0.95, top_k=20,
+    )  # fmt: skip
+    _save(model, tok, gen, out, torch.bfloat16)
+    _write_vocab_files(out, vocab, merges)
+    return out
+
+
+def build_llama3(out: Path | str) -> Path:
+    """Llama 3.2 Instruct (LlamaForCausalLM, llama3 rope scaling, tied embeddings as the 1B)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    tok = _llama3_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in _LLAMA3_NAMED}
+    eos = [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]
+    cfg = LlamaConfig(
+        vocab_size=len(tok), max_position_embeddings=131072, rms_norm_eps=1e-5,
+        hidden_act="silu", tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        head_dim=8, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, dtype="bfloat16", **_TINY,
+    )  # fmt: skip
+    torch.manual_seed(_SEED)
+    model = LlamaForCausalLM(cfg)
+    gen = dict(
+        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, do_sample=True,
+        temperature=0.6, top_p=0.9,
+    )  # fmt: skip
+    return _save(model, tok, gen, out, torch.bfloat16, "PreTrainedTokenizerFast")
+
+
+def build_mistral(out: Path | str) -> Path:
+    """Mistral-7B-Instruct-v0.3 (MistralForCausalLM, no sliding window, untied head)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = Path(out)
+    tok = _mistral_tokenizer()
+    cfg = MistralConfig(
+        vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None, tie_word_embeddings=False,
+        head_dim=8, bos_token_id=1, eos_token_id=2, dtype="bfloat16", **_TINY,
+    )  # fmt: skip
+    torch.manual_seed(_SEED)
+    model = MistralForCausalLM(cfg)
+    return _save(model, tok, dict(bos_token_id=1, eos_token_id=2), out, torch.bfloat16)
+
+
+def build_gpt2(out: Path | str) -> Path:
+    """GPT-2 (GPT2LMHeadModel with its real dropout: resid / embd / attn pdrop 0.1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = Path(out)
+    tok, vocab, merges = _gpt2_tokenizer()
+    eot = vocab["<|endoftext|>"]
+    cfg = GPT2Config(
+        vocab_size=len(vocab), n_positions=1024, n_embd=32, n_layer=2, n_head=4,
+        activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+        layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=eot, eos_token_id=eot,
+        dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(_SEED)
+    model = GPT2LMHeadModel(cfg)
+    _save(model, tok, dict(bos_token_id=eot, eos_token_id=eot), out, torch.float32)
+    _write_vocab_files(out, vocab, merges)
+    return out
+
+
+TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
+    "qwen2.5": build_qwen25,
+    "qwen3": build_qwen3,
+    "llama3": build_llama3,
+    "mistral": build_mistral,
+    "gpt2": build_gpt2,
+}
+
+
+def build(family: str, out_dir: Path | str) -> Path:
+    """Write the replica of `family` (a key of TEXT_REPLICAS) to `out_dir`; returns the folder."""
+    if family not in TEXT_REPLICAS:
+        raise ValueError(f"unknown text family {family!r}: allowed are {', '.join(TEXT_REPLICAS)}")
+    return TEXT_REPLICAS[family](Path(out_dir))
