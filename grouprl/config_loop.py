@@ -51,6 +51,20 @@ class AgentConfig(_Section):
         "process driven by the pool (CPU-bound envs). See grouprl/envs/vector.py.",
     )
     env_workers: int = Field(8, ge=1, description="Threads of the threads / processes modes.")
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the agent may call, as 'package.module:function' or "
+        "'path/to/file.py:function' (resolved from the working directory too): typed functions "
+        "with Google-style docstrings (their JSON schemas are passed to the chat template). A turn "
+        "with tool calls runs them all, in order, and their results come back as `tool` messages; "
+        "a turn without calls goes to the env.",
+    )
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How tool calls are written: hermes (<tool_call> JSON, Qwen), llama3_json "
+        '({"name", "parameters"} JSON, Llama 3.x), mistral ([TOOL_CALLS] [...]); auto: read off '
+        "the chat template (hermes when it shows none).",
+    )
     env_step_timeout_s: float | None = Field(
         None,
         gt=0,

@@ -10,6 +10,9 @@ Whichever tag comes first in the reply counts. A reply with neither, a malformed
 tool or an answer without a number is an invalid action: the env does not move (same observation
 and anchor), reward 0, info["error"] says why. The episode is truncated after `max_turns` replies.
 A tool failure (timeout, memory, exception) is an ordinary observation; the episode goes on.
+A tool's output is marked info["observation_role"] = "tool" (info["tool_name"] = "python"): the
+rollout returns it as a `tool` message in the chat template's own form, and `tools` (the schema)
+is passed to templates that render tools.
 
 Anchors (GiGPO step groups, arXiv 2505.10978): the problem text plus every tool output so far, so
 two episodes of a group that ran code with the same outputs share a state. Same seed -> same
@@ -277,7 +280,7 @@ class ToolMathEnv(gymnasium.Env):
         self._outputs = (*self._outputs, self._obs)
         self._done = truncated
         info = {"valid_action": True, "anchor": self._anchor(), "success": False}
-        info["tool_reason"] = result.reason
+        info |= {"tool_reason": result.reason, "observation_role": "tool", "tool_name": "python"}
         return self._obs, 0.0, False, truncated, info
 
     def render(self) -> str | None:

@@ -43,6 +43,7 @@ class ParsedAction:
     error:     a human-readable reason for the failure (None when ok)
     reason:    a short machine key for the failure, used by `ParseStats` (None when ok):
                no_tag, empty, json_error, not_object, missing_name, bad_arguments
+    call_id:   the id the model gave the call (Mistral's [TOOL_CALLS] carry one), else None
     """
 
     ok: bool
@@ -51,6 +52,7 @@ class ParsedAction:
     raw: str | None = None
     error: str | None = None
     reason: str | None = None
+    call_id: str | None = None
 
 
 def _brief(exc: Exception) -> str:

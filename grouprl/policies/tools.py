@@ -10,20 +10,30 @@ Builds on the text protocol of policies/agent.py (`ParsedAction`, `ParseStats`, 
     the model sees as the tool response (the run goes on).
   - `tools_system_prompt(toolset, tokenizer)`: "" when the chat template renders `tools=` itself,
     else a plain-text tool listing plus the call format.
+  - `load_tools(specs)`: the functions named "module:function" or "path/file.py:function" (config
+    `agent.tools`), resolved from the working directory too.
+  - `valid_utf8(text)`: text that every tokenizer can encode (lone surrogates become "?").
+Tool-call formats (Hermes, Llama 3 JSON, Mistral) and the `tool` messages of results are
+policies/tool_formats.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import inspect
 import json
+import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from grouprl.policies.agent import ParsedAction, ParseStats, format_tool_call
+from grouprl.policies.agent import ParsedAction, ParseStats
 
 _SIMPLE_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):\s*$")
@@ -186,17 +196,78 @@ class ToolSet:
             try:
                 out = self.functions[parsed.name](**(parsed.arguments or {}))
                 text = out if isinstance(out, str) else json.dumps(out, default=str)
-                res = ToolResult(True, text)
-            except Exception as e:  # the model sees the failure; the run goes on
-                res = ToolResult(
-                    False, f"Error: {parsed.name} raised {type(e).__name__}: {e}", "tool_error"
-                )
+                res = ToolResult(True, valid_utf8(text))
+            except KeyboardInterrupt:  # a real Ctrl-C of the trainer still stops the run
+                raise
+            except BaseException as e:  # SystemExit too: that call's error, the run goes on
+                msg = valid_utf8(f"Error: {parsed.name} raised {type(e).__name__}: {e}")
+                res = ToolResult(False, msg, "tool_error")
         self.stats.record_outcome(res.ok, res.reason)
         return res
+
+    def run_calls(self, calls: list[ParsedAction]) -> list[ToolResult]:
+        """Run every call of one turn, in order (none is dropped; failures are results too)."""
+        return [self.invoke(c) for c in calls]
 
     def call(self, parsed: ParsedAction) -> str:
         """The tool response text for one parsed call (an "Error: ..." text on failure)."""
         return self.invoke(parsed).text
+
+
+def valid_utf8(text: str) -> str:
+    """`text` as valid UTF-8: lone surrogates (which tokenizers cannot encode) become "?"."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _import(module_part: str, spec: str) -> Any:
+    """A dotted module (the working directory on the path, as `python -m` has it) or a .py file."""
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
+        path = os.path.realpath(os.path.expanduser(module_part))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tool {spec!r}: file {path!r} does not exist")
+        name = "grouprl_user_tool_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+        if name in sys.modules:
+            return sys.modules[name]
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ImportError(f"tool {spec!r}: cannot load {path!r} as Python")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # after the installed packages: a local file never shadows them
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"tool {spec!r}: cannot import module {module_part!r} from the installed packages "
+            f"or the working directory {cwd!r} ({exc})"
+        ) from exc
+
+
+def load_tools(specs: list[str]) -> list[Callable[..., Any]]:
+    """The functions named by "package.module:function" or "path/to/file.py:function" specs."""
+    fns = []
+    for spec in specs:
+        if not isinstance(spec, str) or ":" not in spec:
+            raise ValueError(
+                f"tool {spec!r} must look like 'package.module:function' or "
+                "'path/to/file.py:function'"
+            )
+        module_part, attr = spec.rsplit(":", 1)
+        if not module_part or not attr:
+            raise ValueError(f"tool {spec!r}: both the module and the function name are needed")
+        fn = getattr(_import(module_part, spec), attr, None)
+        if not callable(fn):
+            raise AttributeError(f"tool {spec!r}: {module_part!r} has no function {attr!r}")
+        fns.append(fn)
+    return fns
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -209,20 +280,22 @@ def template_supports_tools(tokenizer: Any) -> bool:
     return isinstance(tmpl, str) and re.search(r"\btools\b", tmpl) is not None
 
 
-def tools_system_prompt(toolset: ToolSet, tokenizer: Any = None) -> str:
+def tools_system_prompt(toolset: ToolSet, tokenizer: Any = None, fmt: str = "hermes") -> str:
     """Tool instructions for the system prompt.
 
     "" when the tokenizer's chat template handles tools itself (the rollout then passes
     `tools=toolset.schemas()` to `apply_chat_template`); otherwise a plain-text description of the
-    tools and of the <tool_call> format that `parse_action(..., fmt="tool_call")` reads.
+    tools and of the call format `fmt` (tool_formats.TOOL_FORMATS) that the rollout parses.
     """
+    from grouprl.policies.tool_formats import render_tool_call
+
     if template_supports_tools(tokenizer):
         return ""
     listing = "\n".join(json.dumps(s["function"]) for s in toolset.schemas())
-    example = format_tool_call("<tool name>", {"<argument>": "<value>"})
+    example = render_tool_call("<tool name>", {"<argument>": "<value>"}, fmt)
     return (
         "You can use the following tools (JSON schemas, one per line):\n"
         f"<tools>\n{listing}\n</tools>\n"
-        "To use a tool, write exactly one call in this form and stop; its result comes back "
-        f"in the next message:\n{example}"
+        "To use tools, write one call per tool in this form and stop; the results come back "
+        f"in the next message, in the order of the calls:\n{example}"
     )

@@ -12,26 +12,48 @@ Templates that are not append-only, or that do not insert a user message's conte
 once, are refused with an error rather than producing misaligned tokens. When the sampled turn ended
 with EOS and the closing text starts with the EOS text (Qwen's <|im_end|>), that part is dropped:
 the sampled EOS already is the marker. `first_messages` builds the initial chat (system message, or
-the system prompt folded into the first user message when the template has no system role).
+the system prompt folded into the first user message when the template has no system role or
+moves it later, as Mistral's does).
+
+Tools: every render takes `tools` (JSON schemas) and passes it to `apply_chat_template(tools=...)`,
+so the prompt carries the template's own tool listing. Tool results are `{"role": "tool", ...}`
+messages; `messages_delta_text` renders them in the template's own form (Qwen's <tool_response>
+inside a user turn, Llama's ipython turn, Mistral's [TOOL_RESULTS]) against the same dummy
+conversation, checking that the template appends them.
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Any
 
 _SENTINEL = "\x00OBSERVATION\x00"  # stands for the observation inside the dummy conversation
 _DUMMY_USER, _DUMMY_ASSISTANT = "dummy question", "dummy answer"
-_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, pieces)
+# tokenizer -> {(template, tools json): (head, tail)}
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False
+        messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
     )
 
 
-def _delta_pieces(tokenizer: Any) -> tuple[str, str]:
+def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the chat with the generation prompt (tools rendered by the template)."""
+    text = _render(tokenizer, messages, True, tools)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools, sort_keys=True, default=str) if tools else ""
+
+
+def _delta_pieces(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str, str]:
     """(head, tail) such that the delta after an assistant's content is head + observation + tail.
 
     head holds the assistant's closing text and the user turn's opening; tail closes the user turn
@@ -40,15 +62,16 @@ def _delta_pieces(tokenizer: Any) -> tuple[str, str]:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("multi-turn rollouts need a tokenizer with a chat template; it has none")
-    cached = _PIECES.get(tokenizer)
-    if cached is not None and cached[0] == template:
-        return cached[1]
+    key = (template, _tools_key(tools))
+    cached = _PIECES.get(tokenizer, {}).get(key)
+    if cached is not None:
+        return cached
     user = {"role": "user", "content": _DUMMY_USER}
     base = [user, {"role": "assistant", "content": _DUMMY_ASSISTANT}]
-    prefix = _render(tokenizer, [user], True) + _DUMMY_ASSISTANT
+    prefix = _render(tokenizer, [user], True, tools) + _DUMMY_ASSISTANT
 
     def delta(obs: str) -> str:
-        full = _render(tokenizer, [*base, {"role": "user", "content": obs}], True)
+        full = _render(tokenizer, [*base, {"role": "user", "content": obs}], True, tools)
         if not full.startswith(prefix):
             raise ValueError(
                 "the chat template is not append-only: rendering [user, assistant, user] does not "
@@ -64,39 +87,97 @@ def _delta_pieces(tokenizer: Any) -> tuple[str, str]:
             "the chat template does not insert a user message's content verbatim exactly once; "
             "multi-turn rollouts cannot build observation deltas for it"
         )
-    _PIECES[tokenizer] = (template, (parts[0], parts[1]))
+    if tokenizer not in _PIECES or template not in {k[0] for k in _PIECES[tokenizer]}:
+        _PIECES[tokenizer] = {}  # a new template: forget the old one's pieces
+    _PIECES[tokenizer][key] = (parts[0], parts[1])
     return parts[0], parts[1]
 
 
-def observation_delta_text(tokenizer: Any, observation: str, ended_with_eos: bool) -> str:
+def observation_delta_text(
+    tokenizer: Any, observation: str, ended_with_eos: bool, tools: list[dict] | None = None
+) -> str:
     """The text the chat template renders after an assistant turn's content up to the next
     assistant turn's generation prompt, with `observation` as the user message in between.
 
     ended_with_eos: the sampled turn already ends with the EOS token; if the template's closing
     text starts with the EOS text, that part is dropped (the sampled EOS already is the marker).
     """
-    head, tail = _delta_pieces(tokenizer)
+    head, tail = _delta_pieces(tokenizer, tools)
+    return _drop_sampled_eos(tokenizer, head, ended_with_eos) + observation + tail
+
+
+def _drop_sampled_eos(tokenizer: Any, head: str, ended_with_eos: bool) -> str:
     eos = tokenizer.eos_token
     if ended_with_eos and eos and head.startswith(eos):
-        head = head[len(eos) :]
-    return head + observation + tail
+        return head[len(eos) :]
+    return head
 
 
-def observation_delta_ids(tokenizer: Any, observation: str, ended_with_eos: bool) -> list[int]:
+def observation_delta_ids(
+    tokenizer: Any, observation: str, ended_with_eos: bool, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of `observation_delta_text` (tokenised alone, no special tokens added)."""
-    text = observation_delta_text(tokenizer, observation, ended_with_eos)
+    text = observation_delta_text(tokenizer, observation, ended_with_eos, tools)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def first_messages(tokenizer: Any, system_prompt: str, observation: str) -> list[dict]:
-    """The initial chat: a system message if the template renders one, else the system prompt
-    prepended to the first observation (blank line between); no system message if it is empty."""
+def messages_delta_text(
+    tokenizer: Any, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None
+) -> str:
+    """What the template renders after an assistant turn's content for the next `messages`
+    (e.g. `tool` results, in order) up to the next assistant turn's generation prompt.
+
+    Rendered against the dummy conversation [user, assistant]: the template writes the messages
+    in its own form. The assistant's content must appear right after the generation prompt
+    (whitespace the template puts before it, as Mistral's " ", is allowed) and the rest must be
+    appended, else the template cannot be used turn by turn and this raises.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("multi-turn rollouts need a tokenizer with a chat template; it has none")
+    user = {"role": "user", "content": _DUMMY_USER}
+    start = _render(tokenizer, [user], True, tools)
+    full = _render(
+        tokenizer,
+        [user, {"role": "assistant", "content": _DUMMY_ASSISTANT}, *messages],
+        True,
+        tools,
+    )
+    at = full.find(_DUMMY_ASSISTANT, len(start))
+    if not full.startswith(start) or at < 0 or full[len(start) : at].strip():
+        raise ValueError(
+            "the chat template is not append-only for these messages (roles "
+            f"{[m.get('role') for m in messages]}): rendering them after an assistant turn "
+            "changes what comes before it, so their tokens cannot be appended as a delta"
+        )
+    return _drop_sampled_eos(tokenizer, full[at + len(_DUMMY_ASSISTANT) :], ended_with_eos)
+
+
+def messages_delta_ids(
+    tokenizer: Any, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of `messages_delta_text` (tokenised alone, no special tokens added)."""
+    text = messages_delta_text(tokenizer, messages, ended_with_eos, tools)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def first_messages(
+    tokenizer: Any, system_prompt: str, observation: str, tools: list[dict] | None = None
+) -> list[dict]:
+    """The initial chat: a system message if the template renders one where it stays (the
+    rendering of [system, user] is still the start after an assistant turn follows), else the
+    system prompt prepended to the first observation (blank line between); no system message if
+    it is empty. Mistral's template moves the system message to the last user message (and drops
+    it once a tool turn follows), so there it is folded into the first observation."""
     user = {"role": "user", "content": observation}
     if not system_prompt:
         return [user]
     messages = [{"role": "system", "content": system_prompt}, user]
     try:
-        supported = system_prompt in _render(tokenizer, messages, True)
+        start = _render(tokenizer, messages, True, tools)
+        after = _render(
+            tokenizer, [*messages, {"role": "assistant", "content": _DUMMY_ASSISTANT}], False, tools
+        )
+        supported = system_prompt in start and system_prompt in after[: len(start)]
     except Exception:  # templates without a system role raise (e.g. jinja raise_exception)
         supported = False
     if supported:

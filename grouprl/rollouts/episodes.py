@@ -15,6 +15,7 @@ from grouprl.env_isolation import EnvGuard
 from grouprl.envs.gym import make_text_env
 from grouprl.envs.vector import VectorRunner
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
+from grouprl.policies.tools import ToolSet, load_tools
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
 from grouprl.types import Rollout
@@ -42,6 +43,7 @@ def collect(
     # a step that raises (or misses agent.env_step_timeout_s) ends its episode with an error
     runner = VectorRunner(ag.env_execution, ag.env_workers)  # how the env steps of a turn run
     guard = EnvGuard(ag.env_step_timeout_s, cfg.run.fail_fast, own_process=runner.own_process)
+    toolset = ToolSet(load_tools(ag.tools)) if ag.tools else None
     with runner:
         rollout = collect_episodes(
             policy, guard.wrap(_make_env(examples[0])), [ex["seed"] for ex in examples],
@@ -49,6 +51,7 @@ def collect(
             max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
             first_group_id=first_group_id, greedy=greedy, runner=runner,
             seed=cfg.run.seed if cfg.rollout.seeding == "per_sample" and not greedy else None,
+            toolset=toolset, tool_format=ag.tool_format,
         )  # fmt: skip
     rollout.info["env_error"] = guard.errors()  # envs are made in episode order
     return rollout
@@ -83,6 +86,8 @@ def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, floa
         f"{prefix}/turns": sum(info["turns"]) / n,
         f"{prefix}/invalid_actions": sum(info["invalid_actions"]) / n,
         "env_errors": float(sum(e is not None for e in info.get("env_error", []))),
+        f"{prefix}/tool_calls": sum(info.get("tool_calls", [])) / n,
+        f"{prefix}/tool_errors": sum(info.get("tool_errors", [])) / n,
     }
 
 

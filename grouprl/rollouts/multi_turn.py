@@ -17,6 +17,16 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
 - Invalid actions (info["valid_action"] False) subtract `invalid_penalty` from that step's reward,
   as verl-agent's invalid-action penalty does (its default 0.1).
 - TokenBatch.truncated means the *episode* was truncated (turn limit, context, env truncation).
+- Tools (item "tools for real"): with a `ToolSet` (config `agent.tools`) every assistant turn is
+  parsed for tool calls in the configured format (policies/tool_formats.py); a turn with calls
+  runs ALL of them in order (the env is not stepped; the turn's reward is 0, minus the invalid
+  penalty when a call failed) and their results come back as `tool` messages rendered by the
+  template; a turn without calls goes to the env. The schemas (the ToolSet's and an env's own
+  `tools` attribute) are passed as `tools=` to the chat template when it has a tools branch, else
+  listed as plain text in the system prompt. An env marks an observation that is a tool's output
+  with info["observation_role"] = "tool" (and info["tool_name"]); it is then a `tool` message too.
+  GiGPO anchors of tool turns are (env anchor, tool results so far).
+- Observations and tool results are made valid UTF-8 before encoding (lone surrogates -> "?").
 """
 
 from __future__ import annotations
@@ -27,12 +37,22 @@ from dataclasses import replace
 from typing import Any
 
 from grouprl.envs.vector import VectorRunner
+from grouprl.policies.tool_formats import (
+    assistant_tool_calls,
+    call_id,
+    parse_tool_calls,
+    resolve_tool_format,
+    tool_messages,
+)
+from grouprl.policies.tools import ToolSet, template_supports_tools, tools_system_prompt, valid_utf8
 from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     _delta_pieces,
     _render,
     first_messages,
+    messages_delta_ids,
     observation_delta_ids,
     observation_delta_text,
+    prompt_ids,
 )
 from grouprl.rollouts.engines.base import SamplingParams
 from grouprl.rollouts.engines.seeded import turn_seed
@@ -94,6 +114,8 @@ def collect_episodes(
     greedy: bool = False,
     runner: VectorRunner | None = None,
     seed: int | None = None,
+    toolset: ToolSet | None = None,
+    tool_format: str = "auto",
 ) -> Rollout:
     """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
     batched generation over all live episodes each turn, and their env resets / steps run
@@ -108,7 +130,10 @@ def collect_episodes(
     [N, max_turns] (NaN after the end), anchor_keys[i][turn], rewards["return"] (sum of step
     rewards incl. penalties) and info lists: transcript (markdown), success, turns,
     invalid_actions, cut_turns (turns that hit max_turn_tokens), end_reason, seed, messages (the
-    chat, ending with the last observation, which is not in the tokens), prompt, completion.
+    chat, ending with the last observation, which is not in the tokens), prompt, completion,
+    tool_calls / tool_errors (calls the rollout's tools ran, and those that failed, per episode).
+    toolset / tool_format: tools the rollout runs itself (see the module docstring); tool_format
+    "auto" reads the call format off the chat template.
     """
     turn_budget = max_turn_tokens if max_turn_tokens is not None else params.max_new_tokens
     if not seeds or group_size < 1 or max_turns < 1 or turn_budget < 1:
@@ -121,16 +146,22 @@ def collect_episodes(
     tok, turn_params = policy.tokenizer, replace(params, max_new_tokens=turn_budget)
     limit = max_total_tokens if max_total_tokens is not None else math.inf
     runner = runner if runner is not None else VectorRunner("sequential")
+    fmt = resolve_tool_format(tool_format, tok)
     episodes: list[Episode] = []
+    tool_log: dict[int, list[str]] = {}  # id(episode) -> tool results so far (anchors)
+    base_anchor: dict[int, Hashable] = {}  # id(episode) -> env anchor the tool results extend
     try:
         for g, env_seed in enumerate(seeds):  # appended as made: `finally` closes every env made
             for j in range(group_size):
                 e = Episode(make_env(), first_group_id + g, env_seed, [], [], None, index=j)
                 episodes.append(e)
         starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
+        schemas = _tool_schemas(episodes[0].env, toolset)
+        tools = schemas if schemas and template_supports_tools(tok) else None
+        extra_prompt = tools_system_prompt(toolset, tok, fmt) if toolset is not None else ""
         for g in range(len(seeds)):
             members = slice(g * group_size, (g + 1) * group_size)
-            _start_group(policy, episodes[members], starts[members])
+            _start_group(policy, episodes[members], starts[members], tools, extra_prompt)
         for e in episodes:
             if len(e) + turn_budget > limit:
                 raise ValueError(
@@ -156,18 +187,40 @@ def collect_episodes(
                 e.extend(list(ids), list(lps), turn)
                 e.cut_turns += int(cut)
                 texts.append(tok.decode(ids, skip_special_tokens=True))
-            results = runner.step([e.env for e in live], texts)  # all live envs at once
-            for e, ids, cut, text, result in zip(
-                live, out.completion_ids, out.truncated, texts, results
+            called = {}  # index in live -> (calls, results): turns the rollout's tools answer
+            if toolset is not None:
+                for k, ids in enumerate(out.completion_ids):
+                    calls = parse_tool_calls(_raw_text(tok, ids), fmt)
+                    if calls:
+                        called[k] = (calls, toolset.run_calls(calls))
+            stepping = [k for k in range(len(live)) if k not in called]
+            stepped = runner.step([live[k].env for k in stepping], [texts[k] for k in stepping])
+            results = dict(zip(stepping, stepped))  # all stepping envs at once
+            for k, (e, ids, cut, text) in enumerate(
+                zip(live, out.completion_ids, out.truncated, texts)
             ):
-                _record_turn(e, turn, text, result, cut, invalid_penalty)
+                key = id(e)
+                if k in called:
+                    calls, answers = called[k]
+                    tool_log.setdefault(key, []).extend(r.text for r in answers)
+                    base_anchor.setdefault(key, e.anchor)
+                    new = _record_tool_turn(
+                        e, turn, text, calls, answers, cut, invalid_penalty, fmt,
+                        (base_anchor[key], *tool_log[key]),
+                    )  # fmt: skip
+                else:
+                    tool_log.pop(key, None), base_anchor.pop(key, None)  # the env moved on
+                    new = _record_turn(e, turn, text, results[k], cut, invalid_penalty)
                 if e.end:
                     continue
                 if turn + 1 == max_turns:
                     e.end = "max_turns"
                     continue
-                obs = e.messages[-1]["content"]
-                delta = observation_delta_ids(tok, obs, ids[-1] == tok.eos_token_id)
+                eos = ids[-1] == tok.eos_token_id
+                if new[0]["role"] == "user":
+                    delta = observation_delta_ids(tok, new[0]["content"], eos, tools)
+                else:
+                    delta = messages_delta_ids(tok, new, eos, tools)
                 if len(e) + len(delta) + turn_budget > limit:
                     e.end = "context"
                 else:
@@ -175,15 +228,56 @@ def collect_episodes(
     finally:
         for e in episodes:  # a plain class env may have no close()
             getattr(e.env, "close", lambda: None)()
-    return assemble(episodes, tok, max_turns)
+    rollout = assemble(episodes, tok, max_turns)
+    rollout.info["tool_calls"] = [
+        sum(len(m.get("tool_calls") or []) for m in e.messages) for e in episodes
+    ]  # calls the rollout's tools ran, per episode
+    rollout.info["tool_errors"] = [
+        sum(m["role"] == "tool" and m["content"].startswith("Error:") for m in e.messages)
+        for e in episodes
+    ]
+    return rollout
 
 
-def _start_group(policy: Any, members: list[Episode], starts: list[tuple]) -> None:
+def _tool_schemas(env: Any, toolset: ToolSet | None) -> list[dict]:
+    """The schemas shown to the model: the ToolSet's, then the env's own (`env.tools`)."""
+    schemas = list(toolset.schemas()) if toolset is not None else []
+    own = _env_attr(env, "tools", None)
+    if own:
+        names = {s["function"]["name"] for s in schemas}
+        clash = names & {s.get("function", {}).get("name") for s in own}
+        if clash:
+            raise ValueError(f"agent.tools and the env both define the tools {sorted(clash)}")
+        schemas += list(own)
+    return schemas
+
+
+def _raw_text(tok: Any, ids: list[int]) -> str:
+    """A turn's text with special tokens kept (Mistral's [TOOL_CALLS] is one), minus the special
+    tokens that close it (EOS / end-of-turn ids)."""
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    end = len(ids)
+    while end > 0 and ids[end - 1] in special:
+        end -= 1
+    return tok.decode(ids[:end], skip_special_tokens=False)
+
+
+def _start_group(
+    policy: Any,
+    members: list[Episode],
+    starts: list[tuple],
+    tools: list[dict] | None = None,
+    extra_prompt: str = "",
+) -> None:
     """Fill one group's episodes from their envs' (obs, info) after reset; fail if they do not
-    share one start state."""
+    share one start state. tools: schemas for the template; extra_prompt: a plain-text tool
+    listing appended to the env's system prompt."""
     for e, (obs, info) in zip(members, starts):
+        obs = valid_utf8(obs) if isinstance(obs, str) else obs
         e.anchor = _anchor(info, obs)
-        e.messages = first_messages(policy.tokenizer, _env_attr(e.env, "system_prompt", ""), obs)
+        system = _env_attr(e.env, "system_prompt", "")
+        system = "\n\n".join(p for p in (system, extra_prompt) if p)
+        e.messages = first_messages(policy.tokenizer, system, obs, tools)
         if (e.messages, e.anchor) != (members[0].messages, members[0].anchor):
             raise ValueError(
                 f"envs reset with seed {e.seed} start in different states; group-relative "
@@ -191,16 +285,52 @@ def _start_group(policy: Any, members: list[Episode], starts: list[tuple]) -> No
             )
         e.log.append(f"### Episode (group {e.group}, seed {e.seed})\n")
         e.log += [f"**{m['role']}**\n\n{_fence(m['content'])}\n" for m in e.messages]
-    prompt = policy.encode_prompts([members[0].messages])[0]
+    if tools:
+        prompt = prompt_ids(policy.tokenizer, members[0].messages, tools)
+    else:
+        prompt = policy.encode_prompts([members[0].messages])[0]
     for e in members:
         e.prompt = list(prompt)
 
 
+def _record_tool_turn(
+    e: Episode,
+    turn: int,
+    text: str,
+    calls: list,
+    answers: list,
+    cut: bool,
+    invalid_penalty: float,
+    fmt: str,
+    anchor: Hashable,
+) -> list[dict]:
+    """Record a turn whose calls the rollout's tools ran: reward 0 (minus the penalty when a call
+    failed), the calls and their `tool` messages; returns those messages."""
+    valid = all(r.ok for r in answers)
+    reward = 0.0 if valid else -invalid_penalty
+    e.invalid += int(not valid)
+    e.rewards.append(reward)
+    e.anchors.append(e.anchor)
+    e.anchor = anchor
+    results = tool_messages(calls, [r.text for r in answers], turn, fmt)
+    e.messages += [
+        {"role": "assistant", "content": text, "tool_calls": assistant_tool_calls(calls, turn)},
+        *results,
+    ]
+    note = ", a tool call failed" if not valid else ""
+    note += ", hit the turn token budget" if cut else ""
+    e.log.append(f"**assistant** (turn {turn}: reward {reward:+.3f}{note})\n\n{_fence(text)}\n")
+    e.log += [f"**tool** ({m['name']})\n\n{_fence(m['content'])}\n" for m in results]
+    return results
+
+
 def _record_turn(
     e: Episode, turn: int, text: str, result: tuple, cut: bool, invalid_penalty: float
-) -> None:
-    """Record the env's answer to one turn's text: reward, anchor, messages, log and ending."""
+) -> list[dict]:
+    """Record the env's answer to one turn's text: reward, anchor, messages, log and ending;
+    returns the message(s) that follow the assistant turn (the observation)."""
     obs, reward, terminated, truncated, info = result
+    obs = valid_utf8(obs) if isinstance(obs, str) else obs
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"env returned a non-finite reward {reward} (seed {e.seed}, turn {turn})")
@@ -211,11 +341,17 @@ def _record_turn(
     e.rewards.append(reward)
     e.anchors.append(e.anchor)
     e.anchor = _anchor(info, obs)
-    e.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": obs}]
+    if info.get("observation_role", "user") == "tool":  # the env ran a tool: its output
+        name = str(info.get("tool_name", "tool"))
+        following = {"role": "tool", "content": obs, "name": name, "tool_call_id": call_id(turn, 0)}
+    else:
+        following = {"role": "user", "content": obs}
+    e.messages += [{"role": "assistant", "content": text}, following]
     note = ", invalid action" if not valid else ""
     note += ", hit the turn token budget" if cut else ""
     e.log.append(f"**assistant** (turn {turn}: reward {reward:+.3f}{note})\n\n{_fence(text)}\n")
-    e.log.append(f"**user** (observation)\n\n{_fence(obs)}\n")
+    e.log.append(f"**{following['role']}** (observation)\n\n{_fence(obs)}\n")
     if terminated or truncated:
         e.end = "terminated" if terminated else "env_truncated"
         e.success = bool(info.get("success", False))
+    return [following]
