@@ -132,6 +132,19 @@ def parse_tool_calls(text: str, fmt: str) -> list[ParsedAction]:
     return TOOL_FORMATS[fmt](text)
 
 
+def text_outside_calls(text: str, fmt: str) -> str:
+    """The content of an assistant message whose calls go into its `tool_calls` field: the text
+    outside the call blocks (hermes), before [TOOL_CALLS] (mistral), nothing (llama3_json)."""
+    if fmt == "hermes":
+        return _HERMES_BLOCK.sub("", text).strip()
+    if fmt == "mistral":
+        start = text.find("[TOOL_CALLS]")
+        return (text if start < 0 else text[:start]).strip()
+    if fmt == "llama3_json":
+        return ""
+    raise ValueError(f"unknown tool format {fmt!r}: allowed are {', '.join(TOOL_FORMATS)}")
+
+
 def detect_tool_format(tokenizer: Any) -> ToolFormat:
     """The call format a chat template teaches: [TOOL_CALLS] -> mistral, <tool_call> -> hermes,
     Llama 3's ipython / "parameters" JSON -> llama3_json; no template (or none of these): hermes,

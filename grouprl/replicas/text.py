@@ -126,7 +126,7 @@ def _qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
         merges=merges,
         unk_token=None,
         bos_token=None,
-        eos_token="<|im_end|>",
+        eos_token="<|endoftext|>",  # set to <|im_end|> below, once the ids are in Qwen's order
         pad_token="<|endoftext|>",
         errors="replace",
         model_max_length=131072,
@@ -137,6 +137,7 @@ def _qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
         [AddedToken(t, special=s, normalized=False) for t, s in added], special_tokens=False
     )
     tok.add_special_tokens({"additional_special_tokens": [t for t, s in added if s][1:]})
+    tok.eos_token = "<|im_end|>"  # the Instruct models end turns (and generation) with it
     tok.chat_template = template
     return tok, vocab, merges
 

@@ -42,6 +42,7 @@ from grouprl.policies.tool_formats import (
     call_id,
     parse_tool_calls,
     resolve_tool_format,
+    text_outside_calls,
     tool_messages,
 )
 from grouprl.policies.tools import ToolSet, template_supports_tools, tools_system_prompt, valid_utf8
@@ -190,9 +191,10 @@ def collect_episodes(
             called = {}  # index in live -> (calls, results): turns the rollout's tools answer
             if toolset is not None:
                 for k, ids in enumerate(out.completion_ids):
-                    calls = parse_tool_calls(_raw_text(tok, ids), fmt)
-                    if calls:
-                        called[k] = (calls, toolset.run_calls(calls))
+                    raw = _raw_text(tok, ids)
+                    calls = parse_tool_calls(raw, fmt)
+                    if calls:  # the message content: the text outside the calls
+                        called[k] = (calls, toolset.run_calls(calls), text_outside_calls(raw, fmt))
             stepping = [k for k in range(len(live)) if k not in called]
             stepped = runner.step([live[k].env for k in stepping], [texts[k] for k in stepping])
             results = dict(zip(stepping, stepped))  # all stepping envs at once
@@ -201,7 +203,7 @@ def collect_episodes(
             ):
                 key = id(e)
                 if k in called:
-                    calls, answers = called[k]
+                    calls, answers, text = called[k]
                     tool_log.setdefault(key, []).extend(r.text for r in answers)
                     base_anchor.setdefault(key, e.anchor)
                     new = _record_tool_turn(
