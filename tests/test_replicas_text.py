@@ -232,7 +232,7 @@ def test_vllm_loads_the_qwen25_replica(replicas):
     path = replicas["qwen2.5"]
     llm = LLM(
         model=str(path), dtype="bfloat16", seed=0, gpu_memory_utilization=0.1,
-        max_model_len=256, enforce_eager=True,
+        max_model_len=1024, enforce_eager=True,
     )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(

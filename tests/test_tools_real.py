@@ -1,0 +1,366 @@
+"""Tools for real (issue 14, item 6): schemas through the chat template, results as `tool`
+messages in the template's own form, tools from the config, every call of a turn run in order,
+the Hermes / Llama 3 JSON / Mistral call formats (round trip through each replica's template),
+no token drift over 5 tool turns, and the ToolSet's BaseException / UTF-8 guards (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from transformers import AutoTokenizer
+
+from grouprl.config import apply_overrides, validate
+from grouprl.envs.toolmath import ToolMathEnv
+from grouprl.policies.agent import ParsedAction
+from grouprl.policies.causal_lm import CausalLMPolicy
+from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
+from grouprl.policies.tool_formats import (
+    detect_tool_format,
+    parse_tool_calls,
+    render_tool_call,
+    text_outside_calls,
+)
+from grouprl.policies.tools import ToolSet, load_tools, tools_system_prompt, valid_utf8
+from grouprl.replicas.text import build
+from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+from grouprl.rollouts.multi_turn import collect_episodes
+
+FAMILIES = ("qwen2.5", "qwen3", "llama3", "mistral")
+FORMAT = {"qwen2.5": "hermes", "qwen3": "hermes", "llama3": "llama3_json", "mistral": "mistral"}
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a * b
+
+
+@pytest.fixture(scope="module")
+def toks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool_replicas")
+    return {f: AutoTokenizer.from_pretrained(build(f, root / f)) for f in FAMILIES}
+
+
+def assistant_text(tok, calls: list[dict], tools: list[dict]) -> str:
+    """What the template renders for an assistant message with `calls` (its content only: the
+    text between the generation prompt and the turn's end marker)."""
+    user = [{"role": "user", "content": "q"}]
+    start = tok.apply_chat_template(user, tools=tools, tokenize=False, add_generation_prompt=True)
+    msg = {"role": "assistant", "content": "", "tool_calls": calls}
+    end = {"role": "tool", "content": "r", "tool_call_id": calls[0]["id"], "name": "add"}
+    full = tok.apply_chat_template([*user, msg, end], tools=tools, tokenize=False)
+    assert full.startswith(start)
+    body = full[len(start) :]
+    return body[: body.index(tok.eos_token)]
+
+
+def call(name: str, args: dict, cid: str) -> dict:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+# ---- formats: parsing, auto detection, round trips through the replicas' templates -------------
+
+
+def test_auto_format_from_each_template(toks):
+    assert {f: detect_tool_format(t) for f, t in toks.items()} == FORMAT
+    assert detect_tool_format(char_tokenizer()) == "hermes"  # no template: the plain listing's
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_through_the_template(toks, family):
+    tok, fmt = toks[family], FORMAT[family]
+    tools = ToolSet([add, mul]).schemas()
+    # Llama 3's template renders one call per message (more raise); the others take several
+    calls = [call("add", {"a": 2, "b": 3}, "abcDEF123")]
+    if family != "llama3":
+        calls.append(call("mul", {"a": 4, "b": 5}, "xyz789XYZ"))
+    text = assistant_text(tok, calls, tools)
+    parsed = parse_tool_calls(text, fmt)
+    assert [(p.ok, p.name, p.arguments) for p in parsed] == [
+        (True, c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+    if family == "mistral":
+        assert [p.call_id for p in parsed] == ["abcDEF123", "xyz789XYZ"]
+    assert text_outside_calls(text, fmt) == ""
+    one = render_tool_call("add", {"a": 1, "b": 2}, fmt)
+    assert [(p.name, p.arguments) for p in parse_tool_calls(one, fmt)] == [
+        ("add", {"a": 1, "b": 2})
+    ]
+
+
+def test_parsers_by_hand():
+    hermes = 'I add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "mul"'
+    got = parse_tool_calls(hermes, "hermes")
+    assert [(p.ok, p.name, p.reason) for p in got] == [
+        (True, "add", None),
+        (False, None, "json_error"),
+    ]
+    assert text_outside_calls(hermes, "hermes") == "I add."
+    llama = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "mul", "parameters": {}}'
+    got = parse_tool_calls(llama, "llama3_json")
+    assert [(p.name, p.arguments) for p in got] == [("add", {"a": 1, "b": 2}), ("mul", {})]
+    assert parse_tool_calls("The answer is 5.", "llama3_json") == []  # plain text: the answer
+    bad = parse_tool_calls('{"name": "add", "parameters": [1]}', "llama3_json")
+    assert [(p.ok, p.reason) for p in bad] == [(False, "bad_arguments")]
+    trailing = parse_tool_calls('{"name": "add"} and more', "llama3_json")
+    assert [p.ok for p in trailing] == [True, False]
+    mistral = 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}, "id": "a1b2c3d4e"}]'
+    (p,) = parse_tool_calls(mistral, "mistral")
+    assert (p.name, p.arguments, p.call_id) == ("add", {"a": 1}, "a1b2c3d4e")
+    assert text_outside_calls(mistral, "mistral") == "Sure."
+    assert parse_tool_calls("no calls", "mistral") == []
+    assert [p.reason for p in parse_tool_calls("[TOOL_CALLS] [", "mistral")] == ["json_error"]
+    with pytest.raises(ValueError, match="allowed are hermes, llama3_json, mistral"):
+        parse_tool_calls("x", "xml")
+
+
+# ---- ToolSet: BaseException, UTF-8, several calls, loading from the config ----------------------
+
+
+def test_toolset_base_exceptions_are_the_calls_error():
+    def leave(code: int) -> str:
+        """Exit.
+
+        Args:
+            code: exit status
+        """
+        raise SystemExit(code)
+
+    def interrupt() -> str:
+        """Interrupt."""
+        raise KeyboardInterrupt
+
+    ts = ToolSet([leave, interrupt])
+    res = ts.invoke(ParsedAction(ok=True, name="leave", arguments={"code": 0}))
+    assert (res.ok, res.reason) == (False, "tool_error")
+    assert res.text == "Error: leave raised SystemExit: 0"
+    with pytest.raises(KeyboardInterrupt):  # a real Ctrl-C still stops the run
+        ts.invoke(ParsedAction(ok=True, name="interrupt", arguments={}))
+
+
+def test_tool_results_are_valid_utf8(toks):
+    def lone() -> str:
+        """A broken string."""
+        return "a\ud800b"
+
+    res = ToolSet([lone]).invoke(ParsedAction(ok=True, name="lone", arguments={}))
+    assert res.ok and res.text == "a?b"
+    res.text.encode("utf-8")  # encodable
+    assert valid_utf8("ok ✓") == "ok ✓"
+
+
+def test_all_calls_of_a_turn_run_in_order():
+    ts = ToolSet([add, mul])
+    calls = parse_tool_calls(
+        render_tool_call("mul", {"a": 2, "b": 3}, "hermes")
+        + render_tool_call("add", {"a": 2, "b": 3}, "hermes")
+        + render_tool_call("nope", {}, "hermes"),
+        "hermes",
+    )
+    assert [r.text for r in ts.run_calls(calls)] == [
+        "6",
+        "5",
+        "Error: unknown tool 'nope'; tools: add, mul",
+    ]
+    assert ts.stats.attempts == 3 and ts.stats.failures["unknown_tool"] == 1
+
+
+def test_tools_from_the_config_resolve_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_tools_mod.py").write_text(
+        textwrap.dedent('''
+        def double(x: int) -> int:
+            """Double a number.
+
+            Args:
+                x: the number
+            """
+            return 2 * x
+        ''')
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "nowhere"))  # sys.path restored after the test
+    (fn,) = load_tools(["my_tools_mod:double"])
+    assert fn(4) == 8
+    (by_file,) = load_tools([f"{tmp_path / 'my_tools_mod.py'}:double"])
+    assert by_file(1) == 2
+    with pytest.raises(ModuleNotFoundError, match="working directory"):
+        load_tools(["no_such_tools_mod:f"])
+    with pytest.raises(ValueError, match="module:function"):
+        load_tools(["double"])
+    raw = {"run": {"name": "t", "output_dir": str(tmp_path)}, "model": {"name_or_path": "x"},
+           "task": {"name": "env", "options": {"env_id": "grouprl/ToolMath-v0"}}}  # fmt: skip
+    cfg = validate(
+        apply_overrides(raw, ["agent.tools=[my_tools_mod:double]", "agent.tool_format=llama3_json"])
+    )
+    assert (cfg.agent.tools, cfg.agent.tool_format) == (["my_tools_mod:double"], "llama3_json")
+    with pytest.raises(Exception, match="tool_format"):
+        validate(apply_overrides(raw, ["agent.tool_format=xml"]))
+
+
+def test_plain_tool_listing_without_a_tools_branch():
+    ts = ToolSet([add])
+    prompt = tools_system_prompt(ts, char_tokenizer(), "llama3_json")
+    assert '"name": "add"' in prompt and '{"name": "<tool name>", "parameters"' in prompt
+
+
+# ---- rollouts with tools: scripted turns on the replicas' tokenizers ----------------------------
+
+
+class AnswerEnv:
+    """One question; a reply without tool calls is the answer (reward 1 when it holds "5")."""
+
+    system_prompt = "Answer with the help of the tools."
+
+    def __init__(self, observation: str = "What is 2+3?") -> None:
+        self.observation = observation
+
+    def reset(self, seed=None, options=None):
+        return self.observation, {"anchor": "q"}
+
+    def step(self, action: str):
+        ok = "5" in action
+        return "done", float(ok), True, False, {"success": ok, "anchor": "end"}
+
+
+class ScriptedEngine:
+    """Replies the token ids of `replies[turn]` then `end` (the sampled EOS / end-of-turn)."""
+
+    def __init__(self, tok, replies: list[str], end: list[int]) -> None:
+        self.tok, self.replies, self.end, self.turn = tok, replies, end, 0
+
+    def generate(self, prompts, params, *, greedy=False) -> GenerationOutput:
+        ids = self.tok(self.replies[self.turn], add_special_tokens=False).input_ids + self.end
+        self.turn += 1
+        return GenerationOutput(
+            [list(ids) for _ in prompts], [[-0.5] * len(ids)] * len(prompts), [False] * len(prompts)
+        )
+
+
+def run_episode(tok, replies, env=None, toolset=None, fmt="auto", max_turns=8):
+    end = [tok.eos_token_id]
+    policy = CausalLMPolicy(
+        tiny_qwen2(char_tokenizer()), tok, engine=ScriptedEngine(tok, replies, end)
+    )
+    return collect_episodes(
+        policy, lambda: env or AnswerEnv(), [0], 1, SamplingParams(max_new_tokens=256),
+        max_turns=max_turns, max_total_tokens=100_000, toolset=toolset, tool_format=fmt,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_token_drift_over_five_tool_turns(toks, family):
+    """The ids the policy trains on equal the template's rendering of the whole conversation:
+    system prompt, tools, five turns of tool calls with their `tool` results, the answer."""
+    tok = toks[family]
+    ts = ToolSet([add, mul])
+    turns = [[call("add", {"a": k, "b": 3}, f"call{k:05d}")] for k in range(5)]
+    if family != "llama3":  # two calls in one turn where the template renders them
+        turns[2].append(call("mul", {"a": 2, "b": 2}, "twoCALLS2"))
+    replies = [assistant_text(tok, c, ts.schemas()) for c in turns] + ["It is 5."]
+    r = run_episode(tok, replies, toolset=ts)
+    assert r.info["turns"] == [6] and r.info["success"] == [True]
+    messages = r.info["messages"][0]
+    assert r.info["tool_calls"] == [sum(len(c) for c in turns)] and r.info["tool_errors"] == [0]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    want_results = [
+        str(
+            add(**c["function"]["arguments"])
+            if c["function"]["name"] == "add"
+            else mul(**c["function"]["arguments"])
+        )
+        for t in turns
+        for c in t
+    ]
+    assert results == want_results and len(results) == (5 if family == "llama3" else 6)
+    # the conversation up to the last tool results, re-rendered whole with the generation prompt
+    history = messages[:-2]  # drop the answer and the env's last observation (never fed)
+    want = tok(
+        tok.apply_chat_template(
+            history, tools=ts.schemas(), tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    ).input_ids
+    got = r.actions.prompt_ids[0].tolist() + r.actions.completion_ids[0].tolist()
+    assert got[: len(want)] == want
+    answer = tok("It is 5.", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert got[len(want) :] == answer
+    # every assistant turn's tokens are trained on; the template's tokens are not
+    sampled = r.actions.completion_ids[0][r.mask[0]].tolist()
+    expected = [
+        t
+        for text in replies
+        for t in tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    ]
+    assert sampled == expected
+
+
+def test_schemas_reach_the_template_and_results_are_tool_messages(toks):
+    tok = toks["qwen2.5"]
+    reply = render_tool_call("add", {"a": 2, "b": 3}, "hermes") + render_tool_call(
+        "mul", {"a": 2, "b": 3}, "hermes"
+    )
+    r = run_episode(tok, [reply, "5"], toolset=ToolSet([add, mul]))
+    text = tok.decode(r.actions.prompt_ids[0][r.actions.prompt_mask[0]].tolist())
+    assert "<tools>\n" in text and '"name": "add", "description": "Add two integers."' in text
+    assert "# Tools" in text  # the template's own tools branch, not a plain-text listing
+    completion = tok.decode(r.actions.completion_ids[0].tolist())
+    # both calls ran, in order, and came back in ONE user turn as the template renders tool results
+    assert (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n6\n</tool_response><|im_end|>"
+        in completion
+    )
+    roles = [m["role"] for m in r.info["messages"][0]]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "assistant", "user"]
+
+
+def test_env_tool_outputs_are_tool_messages_toolmath(toks):
+    """ToolMath runs its python tool itself: its output comes back as a `tool` message rendered
+    by the template (<tool_response> for Qwen), and its schema goes through `tools=`."""
+    tok = toks["qwen2.5"]
+    env = ToolMathEnv(max_turns=3)
+    obs, _ = env.reset(seed=0)
+    answer = env.problem.answer
+    code = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    r = run_episode(tok, [code, f"<answer>{answer}</answer>"], env=env, max_turns=3)
+    assert r.info["success"] == [True]
+    messages = r.info["messages"][0]
+    assert [m["role"] for m in messages[2:4]] == ["assistant", "tool"]
+    assert messages[3]["name"] == "python" and messages[3]["content"] == "42"
+    prompt = tok.decode(r.actions.prompt_ids[0][r.actions.prompt_mask[0]].tolist())
+    assert '<tools>\n{"type": "function", "function": {"name": "python"' in prompt
+    completion = tok.decode(r.actions.completion_ids[0].tolist())
+    assert (
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        in completion
+    )
+
+
+def test_lone_surrogate_observation_does_not_break_encoding(toks):
+    r = run_episode(toks["llama3"], ["It is 5."], env=AnswerEnv("What is 2+3? \ud800"))
+    assert r.info["messages"][0][1]["content"].endswith("? ?")
+
+
+def test_failed_calls_cost_the_penalty_and_the_run_goes_on(toks):
+    tok = toks["llama3"]
+    bad = json.dumps({"name": "add", "parameters": {"a": "two", "b": 3}})
+    r = run_episode(tok, [bad, "It is 5."], toolset=ToolSet([add]))
+    assert r.info["tool_errors"] == [1] and r.info["invalid_actions"] == [1]
+    assert r.step_rewards[0, :2].tolist() == pytest.approx([-0.1, 1.0])
+    tool = [m for m in r.info["messages"][0] if m["role"] == "tool"]
+    assert tool[0]["content"].startswith("Error: bad arguments for 'add'")
