@@ -9,13 +9,10 @@ import json
 import textwrap
 
 import pytest
-from transformers import AutoTokenizer
+from test_tools_bugs import FAMILIES, add, mul, replica_tokenizers, run_episode
 
 from grouprl.config import apply_overrides, validate
-from grouprl.envs.toolmath import ToolMathEnv
-from grouprl.policies.agent import ParsedAction
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
+from grouprl.policies.tiny import char_tokenizer
 from grouprl.policies.tool_formats import (
     detect_tool_format,
     parse_tool_calls,
@@ -23,38 +20,14 @@ from grouprl.policies.tool_formats import (
     text_outside_calls,
 )
 from grouprl.policies.tools import ToolSet, load_tools, tools_system_prompt, valid_utf8
-from grouprl.replicas.text import build
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
-from grouprl.rollouts.multi_turn import collect_episodes
-
-FAMILIES = ("qwen2.5", "qwen3", "llama3", "mistral")
-FORMAT = {"qwen2.5": "hermes", "qwen3": "hermes", "llama3": "llama3_json", "mistral": "mistral"}
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
-def mul(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a * b
 
 
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tool_replicas")
-    return {f: AutoTokenizer.from_pretrained(build(f, root / f)) for f in FAMILIES}
+    return replica_tokenizers(tmp_path_factory)
+
+
+FORMAT = {"qwen2.5": "hermes", "qwen3": "hermes", "llama3": "llama3_json", "mistral": "mistral"}
 
 
 def assistant_text(tok, calls: list[dict], tools: list[dict]) -> str:
@@ -133,38 +106,6 @@ def test_parsers_by_hand():
 # ---- ToolSet: BaseException, UTF-8, several calls, loading from the config ----------------------
 
 
-def test_toolset_base_exceptions_are_the_calls_error():
-    def leave(code: int) -> str:
-        """Exit.
-
-        Args:
-            code: exit status
-        """
-        raise SystemExit(code)
-
-    def interrupt() -> str:
-        """Interrupt."""
-        raise KeyboardInterrupt
-
-    ts = ToolSet([leave, interrupt])
-    res = ts.invoke(ParsedAction(ok=True, name="leave", arguments={"code": 0}))
-    assert (res.ok, res.reason) == (False, "tool_error")
-    assert res.text == "Error: leave raised SystemExit: 0"
-    with pytest.raises(KeyboardInterrupt):  # a real Ctrl-C still stops the run
-        ts.invoke(ParsedAction(ok=True, name="interrupt", arguments={}))
-
-
-def test_tool_results_are_valid_utf8(toks):
-    def lone() -> str:
-        """A broken string."""
-        return "a\ud800b"
-
-    res = ToolSet([lone]).invoke(ParsedAction(ok=True, name="lone", arguments={}))
-    assert res.ok and res.text == "a?b"
-    res.text.encode("utf-8")  # encodable
-    assert valid_utf8("ok ✓") == "ok ✓"
-
-
 def test_all_calls_of_a_turn_run_in_order():
     ts = ToolSet([add, mul])
     calls = parse_tool_calls(
@@ -213,6 +154,10 @@ def test_tools_from_the_config_resolve_from_the_working_directory(tmp_path, monk
         validate(apply_overrides(raw, ["agent.tool_format=xml"]))
 
 
+def test_valid_utf8():
+    assert valid_utf8("a\ud800b ✓") == "a?b ✓"
+
+
 def test_plain_tool_listing_without_a_tools_branch():
     ts = ToolSet([add])
     prompt = tools_system_prompt(ts, char_tokenizer(), "llama3_json")
@@ -220,47 +165,6 @@ def test_plain_tool_listing_without_a_tools_branch():
 
 
 # ---- rollouts with tools: scripted turns on the replicas' tokenizers ----------------------------
-
-
-class AnswerEnv:
-    """One question; a reply without tool calls is the answer (reward 1 when it holds "5")."""
-
-    system_prompt = "Answer with the help of the tools."
-
-    def __init__(self, observation: str = "What is 2+3?") -> None:
-        self.observation = observation
-
-    def reset(self, seed=None, options=None):
-        return self.observation, {"anchor": "q"}
-
-    def step(self, action: str):
-        ok = "5" in action
-        return "done", float(ok), True, False, {"success": ok, "anchor": "end"}
-
-
-class ScriptedEngine:
-    """Replies the token ids of `replies[turn]` then `end` (the sampled EOS / end-of-turn)."""
-
-    def __init__(self, tok, replies: list[str], end: list[int]) -> None:
-        self.tok, self.replies, self.end, self.turn = tok, replies, end, 0
-
-    def generate(self, prompts, params, *, greedy=False) -> GenerationOutput:
-        ids = self.tok(self.replies[self.turn], add_special_tokens=False).input_ids + self.end
-        self.turn += 1
-        return GenerationOutput(
-            [list(ids) for _ in prompts], [[-0.5] * len(ids)] * len(prompts), [False] * len(prompts)
-        )
-
-
-def run_episode(tok, replies, env=None, toolset=None, fmt="auto", max_turns=8):
-    end = [tok.eos_token_id]
-    policy = CausalLMPolicy(
-        tiny_qwen2(char_tokenizer()), tok, engine=ScriptedEngine(tok, replies, end)
-    )
-    return collect_episodes(
-        policy, lambda: env or AnswerEnv(), [0], 1, SamplingParams(max_new_tokens=256),
-        max_turns=max_turns, max_total_tokens=100_000, toolset=toolset, tool_format=fmt,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -327,33 +231,6 @@ def test_schemas_reach_the_template_and_results_are_tool_messages(toks):
     )
     roles = [m["role"] for m in r.info["messages"][0]]
     assert roles == ["system", "user", "assistant", "tool", "tool", "assistant", "user"]
-
-
-def test_env_tool_outputs_are_tool_messages_toolmath(toks):
-    """ToolMath runs its python tool itself: its output comes back as a `tool` message rendered
-    by the template (<tool_response> for Qwen), and its schema goes through `tools=`."""
-    tok = toks["qwen2.5"]
-    env = ToolMathEnv(max_turns=3)
-    obs, _ = env.reset(seed=0)
-    answer = env.problem.answer
-    code = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
-    r = run_episode(tok, [code, f"<answer>{answer}</answer>"], env=env, max_turns=3)
-    assert r.info["success"] == [True]
-    messages = r.info["messages"][0]
-    assert [m["role"] for m in messages[2:4]] == ["assistant", "tool"]
-    assert messages[3]["name"] == "python" and messages[3]["content"] == "42"
-    prompt = tok.decode(r.actions.prompt_ids[0][r.actions.prompt_mask[0]].tolist())
-    assert '<tools>\n{"type": "function", "function": {"name": "python"' in prompt
-    completion = tok.decode(r.actions.completion_ids[0].tolist())
-    assert (
-        "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-        in completion
-    )
-
-
-def test_lone_surrogate_observation_does_not_break_encoding(toks):
-    r = run_episode(toks["llama3"], ["It is 5."], env=AnswerEnv("What is 2+3? \ud800"))
-    assert r.info["messages"][0][1]["content"].endswith("? ?")
 
 
 def test_failed_calls_cost_the_penalty_and_the_run_goes_on(toks):

@@ -4,7 +4,7 @@ Each builder writes, in code and with no download, a folder laid out as the hub 
 real model is: config.json and generation_config.json (the real architecture class, special-token
 ids, sampling defaults and dtype), model.safetensors, tokenizer.json, tokenizer_config.json (with
 the family's chat template), special_tokens_map.json, and vocab.json / merges.txt where the family
-ships them. Only sizes are shrunk: hidden 32, 2 layers, a byte-level BPE of ~600 merges trained
+ships them. Only sizes are shrunk: hidden 64, 2 layers, 2 heads of 32, a byte-level BPE of ~600 merges trained
 with the `tokenizers` library on the small corpus below. The tokenizer is built with the family's
 own transformers class (Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer, or the plain tokenizer.json
 of Llama 3), so its pre-tokenizer, normaliser and decoder are the real ones; the special tokens
@@ -250,12 +250,13 @@ def _gpt2_tokenizer() -> Any:
 
 
 # --------------------------------------------------------------------------- models
+# head_dim 32: the smallest vLLM's CPU attention takes; grouped-query attention (2 heads, 1 KV)
 _TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
+    hidden_size=64,
+    intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
 )
 
 
@@ -339,7 +340,7 @@ def build_qwen3(out: Path | str) -> Path:
     eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
     cfg = Qwen3Config(
         vocab_size=len(tok), max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, head_dim=16, hidden_act="silu", tie_word_embeddings=True,
+        rms_norm_eps=1e-6, head_dim=32, hidden_act="silu", tie_word_embeddings=True,
         use_sliding_window=False, max_window_layers=2, attention_bias=False,
         attention_dropout=0.0, bos_token_id=eot, eos_token_id=eos, dtype="bfloat16", **_TINY,
     )  # fmt: skip
@@ -365,7 +366,7 @@ def build_llama3(out: Path | str) -> Path:
     cfg = LlamaConfig(
         vocab_size=len(tok), max_position_embeddings=131072, rms_norm_eps=1e-5,
         hidden_act="silu", tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
-        head_dim=8, rope_parameters={
+        head_dim=32, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
@@ -390,7 +391,7 @@ def build_mistral(out: Path | str) -> Path:
     cfg = MistralConfig(
         vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
         rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None, tie_word_embeddings=False,
-        head_dim=8, bos_token_id=1, eos_token_id=2, dtype="bfloat16", **_TINY,
+        head_dim=32, bos_token_id=1, eos_token_id=2, dtype="bfloat16", **_TINY,
     )  # fmt: skip
     torch.manual_seed(_SEED)
     model = MistralForCausalLM(cfg)
