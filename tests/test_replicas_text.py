@@ -121,7 +121,8 @@ def test_hub_layout_classes_and_generation(replicas, family):
     ids = tok("The answer is", return_tensors="pt")
     torch.manual_seed(0)
     out = model.generate(**ids, max_new_tokens=5, do_sample=True, pad_token_id=tok.eos_token_id)
-    assert out.shape == (1, ids.input_ids.shape[1] + 5) or out[0, -1] in model.config.eos_token_id
+    n = ids.input_ids.shape[1]
+    assert out.shape[0] == 1 and n < out.shape[1] <= n + 5  # stops at 5 tokens or at EOS
 
 
 def test_special_tokens_after_the_vocabulary(replicas):
