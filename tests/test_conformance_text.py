@@ -74,6 +74,14 @@ CASES = [
         ],
     ),  # fmt: skip
 ]
+FROZENLAKE_SMALL = CASES[-1].overrides
+# the other families through the same entry point: the agent config on the chat replicas (their
+# templates in multi-turn episodes) and the arithmetic config on GPT-2 (a model with dropout)
+FAMILY_CASES = [
+    Case("agents/frozenlake_gigpo.yaml", "qwen3", FROZENLAKE_SMALL),
+    Case("agents/frozenlake_gigpo.yaml", "llama3", FROZENLAKE_SMALL),
+    Case("text/arithmetic_demo.yaml", "gpt2", CASES[0].overrides),
+]
 VLLM_CASES = [
     Case(
         "text/arithmetic_demo_vllm.yaml",
@@ -82,7 +90,8 @@ VLLM_CASES = [
     ),
     # a GPU config: on this CPU build of vLLM its CUDA-only settings get their CPU values
     Case(
-        "text/gsm8k_qwen_lora_vllm.yaml", "qwen2.5",
+        "text/gsm8k_qwen_lora_vllm.yaml",
+        "qwen2.5",
         [*GSM8K_LOCAL, "run.device=cpu", "rollout.vllm.sleep=off"],
     ),  # fmt: skip
 ]
@@ -180,7 +189,9 @@ def hf_logprobs(model, batch: TokenBatch) -> torch.Tensor:
     return logp.gather(-1, batch.completion_ids[..., None]).squeeze(-1) * batch.completion_mask
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", CASES + FAMILY_CASES, ids=lambda c: c.id if c in CASES else f"{c.id}-{c.family}"
+)
 def test_config_runs_on_its_replica_and_the_checkpoint_loads(
     case, replica, gsm8k_file, tmp_path, monkeypatch
 ):

@@ -143,7 +143,8 @@ def test_delta_cache_follows_template_changes():
         (None, "no chat template|has none"),
         ("{{ messages[-1]['content'] }}", "append-only"),  # renders only the last message
         (
-            "{% for m in messages %}{{ m['content'] | trim }}|{% endfor %}",
+            "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] | upper }}"
+            "{% else %}{{ m['content'] }}{% endif %}|{% endfor %}",
             "verbatim",
         ),
     ],
@@ -153,6 +154,12 @@ def test_delta_rejects_unusable_templates(template, match):
     tok.chat_template = template
     with pytest.raises(ValueError, match=match):
         observation_delta_text(tok, "x", False)
+
+
+def test_delta_of_a_trimming_template_strips_the_observation():
+    tok = char_tokenizer(chat_template=False)  # Llama 3's templates trim message content
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | trim }}|{% endfor %}"
+    assert observation_delta_text(tok, "  x y \n", False) == "|x y|"
 
 
 def test_first_messages_system_role_or_merged():

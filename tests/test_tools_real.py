@@ -9,7 +9,7 @@ import json
 import textwrap
 
 import pytest
-from test_tools_bugs import FAMILIES, add, mul, replica_tokenizers, run_episode
+from test_tools_bugs import FAMILIES, AnswerEnv, add, mul, replica_tokenizers, run_episode
 
 from grouprl.config import apply_overrides, validate
 from grouprl.policies.tiny import char_tokenizer
@@ -241,3 +241,26 @@ def test_failed_calls_cost_the_penalty_and_the_run_goes_on(toks):
     assert r.step_rewards[0, :2].tolist() == pytest.approx([-0.1, 1.0])
     tool = [m for m in r.info["messages"][0] if m["role"] == "tool"]
     assert tool[0]["content"].startswith("Error: bad arguments for 'add'")
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5"])
+def test_no_token_drift_over_five_turns_with_user_observations(toks, family):
+    """Text-env observations (user turns) on the replicas' templates; Llama 3 trims message
+    content, so observations with surrounding whitespace go in trimmed, as the template has them."""
+    tok = toks[family]
+
+    class Echo(AnswerEnv):
+        def step(self, action):
+            done = action == "stop"
+            return f"  turn {action} \n", float(done), done, False, {"anchor": action}
+
+    replies = ["a", "b b", "c", "d", "stop"]
+    r = run_episode(tok, replies, env=Echo())
+    history = r.info["messages"][0][:-2]
+    want = tok(
+        tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    ).input_ids
+    got = r.actions.prompt_ids[0].tolist() + r.actions.completion_ids[0].tolist()
+    assert got[: len(want)] == want
+    assert got[len(want) :] == tok("stop", add_special_tokens=False).input_ids + [tok.eos_token_id]

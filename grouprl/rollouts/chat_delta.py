@@ -53,8 +53,10 @@ def _tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools, sort_keys=True, default=str) if tools else ""
 
 
-def _delta_pieces(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str, str]:
-    """(head, tail) such that the delta after an assistant's content is head + observation + tail.
+def _delta_pieces(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str, str, bool]:
+    """(head, tail, strip) such that the delta after an assistant's content is head + observation
+    + tail, with the observation stripped of surrounding whitespace when `strip` (Llama 3's
+    templates `trim` message content; any other change to the content is refused).
 
     head holds the assistant's closing text and the user turn's opening; tail closes the user turn
     and opens the next assistant turn. Cached per tokenizer (rebuilt if its template changes).
@@ -82,15 +84,20 @@ def _delta_pieces(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str,
 
     parts = delta(_SENTINEL).split(_SENTINEL)
     probe = "probe 1\n  probe 2 "
-    if len(parts) != 2 or delta(probe) != parts[0] + probe + parts[1]:
+    got = delta(probe) if len(parts) == 2 else None
+    if got is not None and got == parts[0] + probe + parts[1]:
+        strip = False
+    elif got is not None and got == parts[0] + probe.strip() + parts[1]:
+        strip = True  # the template trims the content (Llama 3.x)
+    else:
         raise ValueError(
-            "the chat template does not insert a user message's content verbatim exactly once; "
-            "multi-turn rollouts cannot build observation deltas for it"
+            "the chat template does not insert a user message's content verbatim (or trimmed) "
+            "exactly once; multi-turn rollouts cannot build observation deltas for it"
         )
     if tokenizer not in _PIECES or template not in {k[0] for k in _PIECES[tokenizer]}:
         _PIECES[tokenizer] = {}  # a new template: forget the old one's pieces
-    _PIECES[tokenizer][key] = (parts[0], parts[1])
-    return parts[0], parts[1]
+    _PIECES[tokenizer][key] = (parts[0], parts[1], strip)
+    return parts[0], parts[1], strip
 
 
 def observation_delta_text(
@@ -102,8 +109,9 @@ def observation_delta_text(
     ended_with_eos: the sampled turn already ends with the EOS token; if the template's closing
     text starts with the EOS text, that part is dropped (the sampled EOS already is the marker).
     """
-    head, tail = _delta_pieces(tokenizer, tools)
-    return _drop_sampled_eos(tokenizer, head, ended_with_eos) + observation + tail
+    head, tail, strip = _delta_pieces(tokenizer, tools)
+    body = observation.strip() if strip else observation
+    return _drop_sampled_eos(tokenizer, head, ended_with_eos) + body + tail
 
 
 def _drop_sampled_eos(tokenizer: Any, head: str, ended_with_eos: bool) -> str:
