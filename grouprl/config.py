@@ -136,6 +136,11 @@ def check_combinations(cfg: Config) -> None:
         warnings.warn(
             "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
         )
+    if (cfg.agent.tools or cfg.agent.tool_format != "auto") and cfg.task.name != "env":
+        raise ValueError(
+            "agent.tools / agent.tool_format apply to multi-turn episodes (task.name: env); "
+            f"task {cfg.task.name!r} samples single completions and would ignore them"
+        )
 
 
 # ---- loading ----------------------------------------------------------------------------------

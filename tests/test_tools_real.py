@@ -5,6 +5,7 @@ no token drift over 5 tool turns, and the ToolSet's BaseException / UTF-8 guards
 
 from __future__ import annotations
 
+import copy
 import json
 import textwrap
 
@@ -151,7 +152,10 @@ def test_tools_from_the_config_resolve_from_the_working_directory(tmp_path, monk
     )
     assert (cfg.agent.tools, cfg.agent.tool_format) == (["my_tools_mod:double"], "llama3_json")
     with pytest.raises(Exception, match="tool_format"):
-        validate(apply_overrides(raw, ["agent.tool_format=xml"]))
+        validate(apply_overrides(copy.deepcopy(raw), ["agent.tool_format=xml"]))
+    single = {"run": raw["run"], "model": raw["model"], "task": {"name": "arithmetic"}}
+    with pytest.raises(Exception, match="apply to multi-turn episodes"):
+        validate(apply_overrides(single, ["agent.tools=[my_tools_mod:double]"]))
 
 
 def test_valid_utf8():
