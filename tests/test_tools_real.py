@@ -10,9 +10,12 @@ import json
 import textwrap
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_tools_bugs import FAMILIES, AnswerEnv, add, mul, replica_tokenizers, run_episode
 
 from grouprl.config import apply_overrides, validate
+from grouprl.policies.agent import ParsedAction
 from grouprl.policies.tiny import char_tokenizer
 from grouprl.policies.tool_formats import (
     detect_tool_format,
@@ -268,3 +271,43 @@ def test_no_token_drift_over_five_turns_with_user_observations(toks, family):
     got = r.actions.prompt_ids[0].tolist() + r.actions.completion_ids[0].tolist()
     assert got[: len(want)] == want
     assert got[len(want) :] == tok("stop", add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+
+# ---- fuzzing: any text gives calls or [], never an exception; render -> parse is exact ----------
+
+_PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]",
+           '"name"', '"parameters"', '"arguments"', '"id"', ":", ",", ";", '"', "\\", "null",
+           "1e999", "NaN", '"\ud800"', "\x00", "\n", " ", "[" * 3000, '{"a":' * 2000]  # fmt: skip
+_texts = st.one_of(
+    st.text(max_size=200), st.lists(st.sampled_from(_PIECES), max_size=30).map("".join)
+)
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=6,
+)  # fmt: skip
+_settings = settings(max_examples=300, deadline=2000, derandomize=True, database=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+
+
+@_settings
+@given(_texts, st.sampled_from(["hermes", "llama3_json", "mistral"]))
+def test_fuzz_parse_tool_calls(reliability_counts, text, fmt):
+    key = "fuzz cases: tool-call parsers (hermes, llama3_json, mistral)"
+    reliability_counts[key] = reliability_counts.get(key, 0) + 1
+    for p in parse_tool_calls(text, fmt):
+        assert isinstance(p, ParsedAction)
+        assert (p.ok and isinstance(p.arguments, dict) and p.name) or (not p.ok and p.error)
+
+
+@_settings
+@given(
+    st.text(min_size=1, max_size=12).filter(str.strip),
+    st.dictionaries(st.text(max_size=6), _json, max_size=4),
+    st.sampled_from(["hermes", "llama3_json", "mistral"]),
+)
+def test_fuzz_render_parse_round_trip(reliability_counts, name, arguments, fmt):
+    key = "fuzz cases: tool-call round trip (render -> parse, three formats)"
+    reliability_counts[key] = reliability_counts.get(key, 0) + 1
+    (p,) = parse_tool_calls(render_tool_call(name, arguments, fmt), fmt)
+    assert p.ok and p.name == name.strip() and p.arguments == arguments
