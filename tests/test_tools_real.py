@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tools_bugs import FAMILIES, AnswerEnv, add, mul, replica_tokenizers, run_episode
+from transformers import AutoTokenizer
 
 from grouprl.config import apply_overrides, validate
 from grouprl.policies.agent import ParsedAction
@@ -24,6 +25,7 @@ from grouprl.policies.tool_formats import (
     text_outside_calls,
 )
 from grouprl.policies.tools import ToolSet, load_tools, tools_system_prompt, valid_utf8
+from grouprl.replicas.text import build
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +313,51 @@ def test_fuzz_render_parse_round_trip(reliability_counts, name, arguments, fmt):
     reliability_counts[key] = reliability_counts.get(key, 0) + 1
     (p,) = parse_tool_calls(render_tool_call(name, arguments, fmt), fmt)
     assert p.ok and p.name == name.strip() and p.arguments == arguments
+
+
+def test_agent_tools_from_yaml_through_grouprl_train(tmp_path, monkeypatch):
+    """`agent.tools` in a YAML config, resolved from the working directory under `grouprl train`:
+    the run goes through and the tools' schemas reach the prompt via the template's tools branch."""
+    from grouprl.cli import main
+
+    model = build("qwen2.5", tmp_path / "qwen2.5")
+    (tmp_path / "yaml_tools_mod.py").write_text(
+        'def double(x: int) -> int:\n    """Double a number.\n\n    Args:\n        x: the number\n'
+        '    """\n    return 2 * x\n'
+    )
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        textwrap.dedent(f"""
+        run: {{name: tools, output_dir: {tmp_path / "runs"}, console: false}}
+        model: {{name_or_path: {model}}}
+        task:
+          name: env
+          options: {{env_id: grouprl/ToolMath-v0, n_train: 4, n_eval: 1}}
+        agent: {{tools: ["yaml_tools_mod:double"], max_turns: 2, max_turn_tokens: 6}}
+        rollout: {{prompts_per_step: 1, group_size: 2}}
+        train: {{steps: 1}}
+        eval: {{every: 0, max_examples: 1}}
+        """)
+    )
+    import grouprl.train as train_mod
+
+    prompts, real_build = [], train_mod.build_policy
+
+    def spy(cfg, device):  # the run's real policy; its engine's prompts are recorded
+        policy = real_build(cfg, device)
+        generate = policy.engine.generate
+
+        def recording(batch, *args, **kwargs):
+            prompts.extend(batch)
+            return generate(batch, *args, **kwargs)
+
+        policy.engine.generate = recording
+        return policy
+
+    monkeypatch.setattr(train_mod, "build_policy", spy)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "nowhere"))  # sys.path restored after the test
+    assert main(["train", str(config)]) == 0
+    first = AutoTokenizer.from_pretrained(model).decode(prompts[0])
+    assert "# Tools" in first and '"name": "double", "description": "Double a number."' in first
+    assert '"name": "python"' in first  # ToolMath's own tool is listed too
