@@ -361,3 +361,16 @@ def test_agent_tools_from_yaml_through_grouprl_train(tmp_path, monkeypatch):
     first = AutoTokenizer.from_pretrained(model).decode(prompts[0])
     assert "# Tools" in first and '"name": "double", "description": "Double a number."' in first
     assert '"name": "python"' in first  # ToolMath's own tool is listed too
+
+
+def test_mistral_call_without_a_valid_id_gets_one_its_result_shares(toks):
+    tok = toks["mistral"]
+    reply = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "bad"}]'
+    r = run_episode(tok, [reply, "It is 5."], toolset=ToolSet([add]))
+    messages = r.info["messages"][0]
+    call, result = messages[1]["tool_calls"][0], messages[2]
+    assert call["id"] == result["tool_call_id"] and len(call["id"]) == 9 and call["id"].isalnum()
+    rendered = tok.apply_chat_template(
+        messages[:-2], tools=ToolSet([add]).schemas(), tokenize=False
+    )
+    assert f'"call_id": "{call["id"]}"' in rendered  # the template accepts the conversation

@@ -189,11 +189,20 @@ def call_id(turn: int, index: int) -> str:
     return f"c{turn:05d}{index:03d}"[:9]
 
 
-def assistant_tool_calls(calls: list[ParsedAction], turn: int) -> list[dict]:
+def _id_for(c: ParsedAction, turn: int, index: int, fmt: str) -> str:
+    """The model's own id where the format carries one and it is valid (Mistral: 9 alphanumeric
+    characters), else a generated one; the call and its result share it."""
+    if fmt == "mistral" and isinstance(c.call_id, str) and len(c.call_id) == 9:
+        if c.call_id.isalnum():
+            return c.call_id
+    return call_id(turn, index)
+
+
+def assistant_tool_calls(calls: list[ParsedAction], turn: int, fmt: str) -> list[dict]:
     """The OpenAI-style `tool_calls` field of an assistant message for parsed calls."""
     return [
         {
-            "id": c.call_id or call_id(turn, i),
+            "id": _id_for(c, turn, i, fmt),
             "type": "function",
             "function": {"name": c.name or "", "arguments": c.arguments or {}},
         }
@@ -211,11 +220,6 @@ def tool_messages(
     out = []
     for i, (c, text) in enumerate(zip(calls, texts)):
         msg = {"role": "tool", "content": text, "name": c.name or "unknown"}
-        cid = c.call_id if fmt == "mistral" and _valid_mistral_id(c.call_id) else call_id(turn, i)
-        msg["tool_call_id"] = cid
+        msg["tool_call_id"] = _id_for(c, turn, i, fmt)
         out.append(msg)
     return out
-
-
-def _valid_mistral_id(cid: str | None) -> bool:
-    return isinstance(cid, str) and len(cid) == 9 and cid.isalnum()

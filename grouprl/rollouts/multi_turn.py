@@ -196,8 +196,12 @@ def collect_episodes(
                     if calls:  # the message content: the text outside the calls
                         called[k] = (calls, toolset.run_calls(calls), text_outside_calls(raw, fmt))
             stepping = [k for k in range(len(live)) if k not in called]
-            stepped = runner.step([live[k].env for k in stepping], [texts[k] for k in stepping])
-            results = dict(zip(stepping, stepped))  # all stepping envs at once
+            stepped = (  # all stepping envs at once
+                runner.step([live[k].env for k in stepping], [texts[k] for k in stepping])
+                if stepping
+                else []
+            )
+            results = dict(zip(stepping, stepped))
             for k, (e, ids, cut, text) in enumerate(
                 zip(live, out.completion_ids, out.truncated, texts)
             ):
@@ -211,7 +215,8 @@ def collect_episodes(
                         (base_anchor[key], *tool_log[key]),
                     )  # fmt: skip
                 else:
-                    tool_log.pop(key, None), base_anchor.pop(key, None)  # the env moved on
+                    tool_log.pop(key, None)  # the env moves on: a new state to extend
+                    base_anchor.pop(key, None)
                     new = _record_turn(e, turn, text, results[k], cut, invalid_penalty)
                 if e.end:
                     continue
@@ -316,7 +321,11 @@ def _record_tool_turn(
     e.anchor = anchor
     results = tool_messages(calls, [r.text for r in answers], turn, fmt)
     e.messages += [
-        {"role": "assistant", "content": text, "tool_calls": assistant_tool_calls(calls, turn)},
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": assistant_tool_calls(calls, turn, fmt),
+        },
         *results,
     ]
     note = ", a tool call failed" if not valid else ""
