@@ -60,7 +60,9 @@ _CORPUS = [
 
 
 # --------------------------------------------------------------------------- tokenizers
-def _train_bpe(pre_tokenizer: Any, vocab_size: int, normalizer: Any = None) -> tuple[dict, list]:
+def _train_bpe(
+    pre_tokenizer: Any, vocab_size: int, normalizer: Any = None, byte_level: bool = True
+) -> tuple[dict, list]:
     """Byte-level BPE (vocab, merges as (left, right) pairs) trained on the corpus with the family's pre-tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -69,7 +71,8 @@ def _train_bpe(pre_tokenizer: Any, vocab_size: int, normalizer: Any = None) -> t
     tok.pre_tokenizer = pre_tokenizer
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is unknown
+        # byte-level: all 256 byte symbols, so nothing is unknown; else the corpus's characters
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [],
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
@@ -198,21 +201,18 @@ def _mistral_tokenizer() -> Any:
     from transformers import LlamaTokenizer
 
     learned, merges = _train_bpe(
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False), _VOCAB
+        # trained word by word (pieces never cross a space, as sentencepiece's); the tokenizer
+        # itself runs Metaspace without splitting, as LlamaTokenizer sets it up
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
+        _VOCAB,
+        byte_level=False,  # sentencepiece pieces are text; other characters fall back to bytes
     )
     controls = _MISTRAL_NAMED + [f"[control_{i}]" for i in range(8, 769)]
     vocab = {t: i for i, t in enumerate(controls)}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
-    # the trained model is byte-level over Metaspace pieces; keep its pieces made only of
-    # printable characters (sentencepiece pieces are text, bytes come from the fallback)
-    byte_chars = set(pre_tokenizers.ByteLevel.alphabet())
     for piece in sorted(learned, key=learned.get):
-        if piece not in vocab and not (len(piece) == 1 and piece in byte_chars and piece != "▁"):
-            vocab[piece] = len(vocab)
-    for piece in ("▁",):
         vocab.setdefault(piece, len(vocab))
-    merges = [m for m in merges if all(p in vocab for p in m) and "".join(m) in vocab]
     tok = LlamaTokenizer(
         vocab=vocab,
         merges=merges,
