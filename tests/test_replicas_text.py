@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.replicas.text import TEXT_REPLICAS, build
+from grouprl.replicas.text import TEXT_REPLICAS, build, main
 
 CLASSES = {
     "qwen2.5": ("Qwen2ForCausalLM", "Qwen2Tokenizer"),
@@ -92,10 +92,13 @@ def replicas(tmp_path_factory):
     return {family: build(family, root / family) for family in TEXT_REPLICAS}
 
 
-def test_registry_and_unknown_family(tmp_path):
+def test_registry_unknown_family_and_command_line(tmp_path, capsys):
     assert set(TEXT_REPLICAS) == set(CLASSES)
     with pytest.raises(ValueError, match="allowed are qwen2.5, qwen3"):
         build("qwen9", tmp_path)
+    assert main(["gpt2", str(tmp_path / "g")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "g")
+    assert (tmp_path / "g" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("family", list(CLASSES))

@@ -18,11 +18,14 @@ come first, as in Mistral's own vocabulary).
   gpt2     GPT2LMHeadModel with GPT-2's dropout 0.1 (resid / embd / attn), no chat template
 
 Deviations (all of size, none of kind): tiny vocabularies (so ids of ordinary text differ from the
-real ones), 2 layers; Llama 3 keeps its 256 reserved special tokens; Mistral's tokenizer.model
+real ones, special tokens keep their order and their place after the vocabulary), 2 layers;
+Llama 3 keeps its 256 reserved special tokens; Mistral's tokenizer.model
 (sentencepiece protobuf) is not written: tokenizer.json carries the same BPE with byte fallback.
 
 `build(family, out_dir)` writes one folder; `TEXT_REPLICAS` maps each family to its builder
-(`fn(out_dir) -> out_dir`), for the replica registry.
+(`fn(out_dir) -> out_dir`), for the replica registry. From a shell:
+`python -m grouprl.replicas.text qwen2.5 runs/replicas/qwen2.5` (then point model.name_or_path at
+the folder for a smoke run of a config).
 """
 
 from __future__ import annotations
@@ -432,3 +435,19 @@ def build(family: str, out_dir: Path | str) -> Path:
     if family not in TEXT_REPLICAS:
         raise ValueError(f"unknown text family {family!r}: allowed are {', '.join(TEXT_REPLICAS)}")
     return TEXT_REPLICAS[family](Path(out_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grouprl.replicas.text FAMILY OUT_DIR`: write one replica (for smoke tests)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("family", choices=list(TEXT_REPLICAS))
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    print(build(args.family, args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
