@@ -88,6 +88,12 @@ def _parse_tool_call(text: str) -> ParsedAction:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # also: ints over 4300 digits, absurd nesting
         return _fail("json_error", f"the tool call is not valid JSON: {_brief(e)}", raw)
+    return check_call_object(obj, raw)
+
+
+def check_call_object(obj: Any, raw: str, call_id: str | None = None) -> ParsedAction:
+    """One decoded JSON tool call {"name": ..., "arguments": ...} checked (the rules of the
+    module docstring); shared by every call format (policies/tool_formats.py)."""
     if not isinstance(obj, dict):
         return _fail(
             "not_object", f"the tool call must be a JSON object, got {type(obj).__name__}", raw
@@ -109,7 +115,7 @@ def _parse_tool_call(text: str) -> ParsedAction:
         return _fail(
             "bad_arguments", f'"arguments" must be an object, got {type(args).__name__}', raw
         )
-    return ParsedAction(ok=True, name=name.strip(), arguments=args, raw=raw)
+    return ParsedAction(ok=True, name=name.strip(), arguments=args, raw=raw, call_id=call_id)
 
 
 ACTION_FORMATS: dict[str, Callable[[str], ParsedAction]] = {

@@ -24,7 +24,12 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from grouprl.policies.agent import ParsedAction, _parse_tool_call, format_tool_call
+from grouprl.policies.agent import (
+    ParsedAction,
+    _parse_tool_call,
+    check_call_object,
+    format_tool_call,
+)
 
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
 
@@ -43,21 +48,10 @@ def _parse_hermes(text: str) -> list[ParsedAction]:
 
 def _call_from_object(obj: Any, raw: str, args_key: str) -> ParsedAction:
     """One call from a decoded JSON object with "name" and `args_key` (or "arguments")."""
-    if not isinstance(obj, dict):
-        return ParsedAction(
-            ok=False, raw=raw, reason="not_object",
-            error=f"the tool call must be a JSON object, got {type(obj).__name__}",
-        )  # fmt: skip
-    payload = dict(obj)
-    if args_key in payload and "arguments" not in payload:
-        payload["arguments"] = payload.pop(args_key)
-    parsed = _parse_tool_call(f"<tool_call>{json.dumps(payload)}</tool_call>")
-    call_id = obj.get("id")
-    return ParsedAction(
-        ok=parsed.ok, name=parsed.name, arguments=parsed.arguments, raw=raw,
-        error=parsed.error, reason=parsed.reason,
-        call_id=call_id if isinstance(call_id, str) else None,
-    )  # fmt: skip
+    if isinstance(obj, dict) and args_key in obj and "arguments" not in obj:
+        obj = {**obj, "arguments": obj[args_key]}
+    cid = obj.get("id") if isinstance(obj, dict) else None
+    return check_call_object(obj, raw, cid if isinstance(cid, str) else None)
 
 
 def _json_error(raw: str, exc: Exception) -> ParsedAction:
