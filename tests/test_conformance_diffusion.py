@@ -251,7 +251,7 @@ def test_checkpoint_loads_where_users_load_it_and_matches_the_policy(trained, re
         import diffusers
 
         pipe = diffusers.DiffusionPipeline.from_pretrained(
-            replicas(CASES[name].replica), torch_dtype=dtype
+            replicas(CASES[name].replica), dtype=dtype
         )
         pipe.load_lora_weights(ckpt / "model")
         denoiser = pipe.unet if cfg.model.type == "unet" else pipe.transformer
@@ -301,7 +301,7 @@ def test_full_finetune_saves_a_pipeline_folder_diffusers_loads(replicas, tmp_pat
     over = overrides("sd3_diffusion_nft", replicas, tmp_path) + ["model.lora=null"]
     run_dir = run_cli("sd3_diffusion_nft", over, monkeypatch)
     ckpt = CheckpointManager(run_dir).latest()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(ckpt / "model", torch_dtype=torch.bfloat16)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(ckpt / "model", dtype=torch.bfloat16)
     assert type(pipe).__name__ == "StableDiffusion3Pipeline"
     cfg = load_config(CONFIGS / "sd3_diffusion_nft.yaml", over)
     policy = _policy(cfg, ckpt)

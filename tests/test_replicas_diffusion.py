@@ -199,9 +199,10 @@ def test_clip_reward_replicas_load_in_their_rewards(replica, name):
         )
         values = fn(images, prompts=["a red circle", "a blue square"])
         assert len(values) == 2 and all(isinstance(v, float) for v in values)
-    if name == "pickscore":  # logit_scale.exp() = 100, PickScore's trained scale
-        values = fn(images, prompts=["a red circle", "a red circle"])
-        assert all(abs(v) <= 100.0 + 1e-3 for v in values)
+    # PickScore's trained logit scale (exp = 100) vs CLIP's initial one (exp = 1 / 0.07)
+    assert config["logit_scale_init_value"] == (4.6052 if name == "pickscore" else 2.6592)
+    act = config["text_config"]["hidden_act"]
+    assert act == ("gelu" if name == "pickscore" else "quick_gelu")
 
 
 def test_replicas_command_lists_and_builds(tmp_path):
