@@ -309,3 +309,43 @@ def test_full_finetune_saves_a_pipeline_folder_diffusers_loads(replicas, tmp_pat
     ours = _denoise(policy, policy.model, x, torch.tensor([0.6]))
     theirs = _denoise(policy, pipe.transformer, x, torch.tensor([0.6]))
     assert float((ours - theirs).norm() / ours.norm()) <= TOLERANCE["bfloat16"]
+
+
+# ---- the sampling schedule is the model's own ----------------------------------------------------
+
+SCHEDULE_CASES = {  # replica -> the shipped config that names its family
+    "sd3.5-medium": "sd3_flow_grpo",
+    "flux.1-dev": "flux_dance_grpo",
+    "flux.1-schnell": "flux_dance_grpo",
+    "wan2.1-t2v": "wan_flow_grpo",
+}
+SCHEDULE_FAILS = {"wan2.1-t2v"}  # UniPC's flow_shift 3.0 is dropped today (precision branch)
+
+
+@pytest.mark.parametrize(
+    "rep",
+    [pytest.param(r, marks=NEEDS_PRECISION) if r in SCHEDULE_FAILS else r for r in SCHEDULE_CASES],
+)
+def test_rollout_sigmas_are_the_pipelines_own(replicas, rep, tmp_path):
+    """The sigmas a rollout steps through equal those the diffusers pipeline of the replica uses
+    for the same number of steps and image size (shift, flow_shift, dynamic shifting). The config's
+    own `diffusion.shift` is dropped so that the model's scheduler config decides; float32 keeps
+    this check apart from the precision work."""
+    import diffusers
+
+    from grouprl.build import build_policy
+
+    name, k = SCHEDULE_CASES[rep], 4
+    over = overrides(name, replicas, tmp_path, model_path=str(replicas(rep)))
+    over += ["model.dtype=float32", "diffusion.shift=null"]
+    cfg = load_config(CONFIGS / f"{name}.yaml", over)
+    policy = build_policy(cfg, torch.device("cpu"))
+    rollout = policy.sample([PROMPT], 1, steps=k, mode="eval",
+                            generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ours = rollout.actions.sigmas[0]  # [K+1]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(replicas(rep))
+    kw = {"num_frames": cfg.diffusion.num_frames} if rep == "wan2.1-t2v" else {}
+    pipe(prompt=PROMPT, num_inference_steps=k, height=cfg.diffusion.height,
+         width=cfg.diffusion.width, output_type="latent", max_sequence_length=16, **kw)  # fmt: skip
+    theirs = pipe.scheduler.sigmas.float()  # [K+1], the schedule the call stepped through
+    assert ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)
