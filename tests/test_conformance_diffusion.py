@@ -15,7 +15,9 @@ one held-out prompt) and point the CLIP / PickScore rewards at their local repli
   rounding); the loaded pipeline runs a 2-step call to finite images;
 - a new run starts from it (a pipeline folder with the LoRA fused by diffusers, or the module's
   weights folder);
-- a full fine-tune (no LoRA) saves a complete pipeline folder that diffusers loads.
+- a full fine-tune (no LoRA) saves a complete pipeline folder that diffusers loads;
+- a rollout steps through the sigmas the replica's own pipeline uses (shift, Wan's UniPC
+  flow_shift, FLUX's dynamic shifting).
 
 Replicas: grouprl/replicas/diffusion.py. The shapes config's "replica" is its own velocity module
 with fresh weights (model.weights null) instead of the demo's pretraining cache.

@@ -5,8 +5,10 @@ replicas load through the rewards that use them.
 """
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,10 +209,14 @@ def test_clip_reward_replicas_load_in_their_rewards(replica, name):
 
 def test_replicas_command_lists_and_builds(tmp_path):
     run = [sys.executable, "-m", "grouprl.replicas"]
-    listed = subprocess.run([*run, "--list"], capture_output=True, text=True, check=True)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's grouprl, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    listed = subprocess.run([*run, "--list"], capture_output=True, text=True, check=True, env=env)
     assert set(REPLICAS) <= {line.split()[0] for line in listed.stdout.splitlines()}
     out = subprocess.run([*run, "flux.1-schnell", str(tmp_path / "f")], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+                         text=True, check=True, env=env)  # fmt: skip
     assert (tmp_path / "f" / "model_index.json").exists() and str(tmp_path / "f") in out.stdout
-    bad = subprocess.run([*run, "sd9", str(tmp_path / "g")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*run, "sd9", str(tmp_path / "g")], capture_output=True, text=True, env=env
+    )
     assert bad.returncode == 2 and "unknown replica 'sd9'" in bad.stderr
