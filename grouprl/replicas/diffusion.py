@@ -1,0 +1,415 @@
+"""Tiny random-weight replicas of the image / video model families the shipped configs name.
+
+Each builder writes, in code and with nothing downloaded, a diffusers pipeline folder laid out as
+the hub download is (model_index.json, scheduler/, text_encoder*/, tokenizer*/, transformer/ or
+unet/, vae/, ...), with the real component classes, the real scheduler config and the real VAE
+factors; only widths, depths and vocabularies are shrunk (each folder is well under 5 MB and
+builds in a few seconds). Weights are random (seeded, so a folder is the same on every build).
+
+  sd3.5-medium    stabilityai/stable-diffusion-3.5-medium (StableDiffusion3Pipeline):
+                  SD3Transformer2DModel (patch 2, 16 latent channels, qk_norm rms_norm, dual
+                  attention in the first layers as SD3.5's MMDiT-X), AutoencoderKL (16 latent
+                  channels, scaling_factor 1.5305, shift_factor 0.0609, no quant convs, 4 levels:
+                  vae_scale_factor 8), FlowMatchEulerDiscreteScheduler (1000 steps, shift 3.0),
+                  CLIPTextModelWithProjection x2 (CLIP-L: quick_gelu; CLIP-G: gelu) with CLIPTokenizer
+                  files (vocab.json / merges.txt, CLIP-G's pad token "!"), T5EncoderModel (gated-gelu,
+                  32 / 128 relative-attention buckets) + T5TokenizerFast (sentencepiece unigram,
+                  100 extra ids, model_max_length 512). Pooled projections = CLIP-L + CLIP-G widths;
+                  joint attention = T5 width, wider than both CLIPs (the pipeline pads them).
+  flux.1-dev      black-forest-labs/FLUX.1-dev (FluxPipeline): FluxTransformer2DModel
+                  (in_channels 64 = 16 latent channels in 2x2 patches, guidance_embeds True, RoPE
+                  axes summing to the head width), AutoencoderKL (scaling_factor 0.3611,
+                  shift_factor 0.1159, no quant convs), FlowMatchEulerDiscreteScheduler with
+                  use_dynamic_shifting True, base_shift 0.5, max_shift 1.15, base_image_seq_len 256,
+                  max_image_seq_len 4096, shift 3.0; CLIPTextModel (CLIP-L) + CLIPTokenizer,
+                  T5EncoderModel + T5TokenizerFast.
+  flux.1-schnell  black-forest-labs/FLUX.1-schnell: as FLUX.1-dev with guidance_embeds False and
+                  the scheduler's use_dynamic_shifting False, shift 1.0.
+  wan2.1-t2v      Wan-AI/Wan2.1-T2V-1.3B-Diffusers (WanPipeline): WanTransformer3DModel (patch
+                  (1, 2, 2), cross_attn_norm, qk_norm rms_norm_across_heads, eps 1e-6),
+                  AutoencoderKLWan (z_dim 16, temporal downsampling [False, True, True]: 4x in time,
+                  8x in space; Wan's latents_mean / latents_std), UniPCMultistepScheduler
+                  (prediction_type flow_prediction, use_flow_sigmas True, flow_shift 3.0, solver_order
+                  2, bh2, linspace spacing, final_sigmas_type zero), UMT5EncoderModel + T5TokenizerFast.
+  sd1.5           stable-diffusion-v1-5/stable-diffusion-v1-5 (StableDiffusionPipeline):
+                  UNet2DConditionModel (3 CrossAttnDownBlock2D + DownBlock2D, UpBlock2D + 3
+                  CrossAttnUpBlock2D, 4 latent channels), AutoencoderKL (scaling_factor 0.18215, quant
+                  convs, vae_scale_factor 8), PNDMScheduler (scaled_linear betas 0.00085 - 0.012,
+                  skip_prk_steps True, set_alpha_to_one False, steps_offset 1), CLIPTextModel
+                  (quick_gelu) + CLIPTokenizer, StableDiffusionSafetyChecker + CLIPImageProcessor
+                  (224 crop, bicubic, CLIP mean / std), requires_safety_checker True.
+  pickscore       yuvalkirstain/PickScore_v1 with the processor of laion/CLIP-ViT-H-14 (one folder
+                  for both, the `pickscore` reward's `model` and `processor`): CLIPModel (gelu,
+                  patch 14 at 224, logit_scale 4.6052 as PickScore's trained value), CLIPProcessor
+                  (CLIPImageProcessor 224, CLIPTokenizer with pad "!").
+  clip-vit-large-patch14  openai/clip-vit-large-patch14 (the `clip_score` reward's default):
+                  CLIPModel (quick_gelu, patch 14 at 224, logit_scale 2.6592), CLIPProcessor.
+
+Deviations, all of size: 2 transformer / text-encoder layers (FLUX: one double and one single
+block), widths of 32-96, byte-level BPE vocabularies of ~600 tokens trained with `tokenizers`, a
+sentencepiece unigram of a few hundred pieces trained with `sentencepiece` for T5 / UMT5 (UMT5's
+real vocabulary is multilingual, 256k pieces), and VAEs of 8 channels per level. model_index.json
+names the tokenizer classes as the hub folders do (T5TokenizerFast; transformers 5 makes it the
+same class as T5Tokenizer).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouprl.replicas.bpe import write_clip_bpe
+
+SEED = 0
+CLIP_MERGES = 300  # learned merges of the tiny CLIP vocabularies
+T5_PIECES = 400  # sentencepiece vocabulary of the tiny T5 / UMT5 tokenizers (before extra ids)
+
+# captions: the replicas' tokenizers learn their merges / pieces from these (and every ASCII
+# character is in them, so ordinary prompts tokenize without unknown pieces)
+CORPUS = [
+    "a red bicycle leaning against a brick wall", "two cups of coffee on a wooden table",
+    "a lighthouse on a cliff at sunset", "a corgi wearing sunglasses on the beach",
+    "a bowl of ramen with a soft-boiled egg", "an astronaut riding a horse on the moon",
+    "a watercolor painting of a fox in a snowy forest", "a cat, a dog, a horse and a rabbit",
+    "an owl, a turtle, a fox and a goat in a green field", "a red circle next to a blue square",
+    "a yellow triangle above a green circle", "a photo of a city street at night, neon lights",
+    "A Portrait Of An Old Man, 85mm, f/1.8, Studio Lighting; highly detailed (8k) #art @home",
+    "close-up of 3 apples & 2 pears: 50% off! [sale] {fresh} <new> 'ripe' \"sweet\" ~ $9.99 * 4",
+    "0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz !#$%&()*+,-./:;<=>?@[]^_`{|}~",
+    "a video of waves crashing on rocks, slow motion, cinematic",
+]  # fmt: skip
+
+
+def _seeded(seed: int, build: Callable[[], Any]) -> Any:
+    """build() under torch seed `seed`, leaving the global RNG as it was; eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------
+
+
+def clip_tokenizer(pad_token: str = "<|endoftext|>") -> Any:
+    """CLIPTokenizer from CLIP-layout vocab.json / merges.txt (bpe.write_clip_bpe), 77 tokens."""
+    import tempfile
+
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_clip_bpe(tmp, CORPUS * 4, CLIP_MERGES)
+        # from_pretrained reads the two files (the constructor's vocab_file is not read in
+        # transformers 5)
+        tok = CLIPTokenizer.from_pretrained(tmp, pad_token=pad_token, model_max_length=77)
+        tok._grouprl_files = {n: Path(tmp, n).read_bytes() for n in ("vocab.json", "merges.txt")}
+    return tok
+
+
+def _spiece_model(byte_fallback: bool = False) -> bytes:
+    """A sentencepiece unigram model with T5's settings (pad 0, eos 1, unk 2, no bos, NFKC)."""
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 8), model_writer=out, vocab_size=T5_PIECES,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0,
+        byte_fallback=byte_fallback, hard_vocab_limit=False, normalization_rule_name="nmt_nfkc",
+        minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    return out.getvalue()
+
+
+def t5_tokenizer(byte_fallback: bool = False) -> Any:
+    """T5TokenizerFast over a tiny sentencepiece unigram model, 100 extra ids, 512 tokens."""
+    import tempfile
+
+    from transformers import T5TokenizerFast
+
+    spiece = _spiece_model(byte_fallback)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "spiece.model").write_bytes(spiece)
+        tok = T5TokenizerFast.from_pretrained(tmp, extra_ids=100, model_max_length=512)
+    tok._grouprl_files = {"spiece.model": spiece}  # saved beside tokenizer.json, as on the hub
+    return tok
+
+
+# ---- text encoders ------------------------------------------------------------------------------
+
+
+def _clip_text_config(tok: Any, hidden: int, act: str, projection: int | None = None) -> Any:
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=77, hidden_act=act,
+        projection_dim=projection or hidden, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+
+
+def clip_text_encoder(tok: Any, hidden: int, act: str, *, projection: bool, seed: int) -> Any:
+    """CLIPTextModelWithProjection (SD3) or CLIPTextModel (FLUX, SD 1.5) sized to `tok`."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return _seeded(seed, lambda: cls(_clip_text_config(tok, hidden, act)))
+
+
+def t5_encoder(tok: Any, d_model: int, *, umt5: bool, seed: int) -> Any:
+    """T5EncoderModel (T5 v1.1 XXL's kind: gated-gelu, no tied head) or UMT5EncoderModel (Wan)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    kw = dict(
+        vocab_size=len(tok), d_model=d_model, d_ff=2 * d_model, d_kv=16, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.1,
+    )  # fmt: skip
+    if umt5:
+        return _seeded(seed, lambda: UMT5EncoderModel(UMT5Config(**kw)))
+    return _seeded(seed, lambda: T5EncoderModel(T5Config(**kw)))
+
+
+# ---- VAEs ---------------------------------------------------------------------------------------
+
+
+def kl_vae(latent_channels: int, seed: int, **factors: Any) -> Any:
+    """AutoencoderKL with 4 levels (vae_scale_factor 8, as the real ones) of 8 channels."""
+    from diffusers import AutoencoderKL
+
+    blocks = 4
+    return _seeded(seed, lambda: AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks, block_out_channels=(8,) * blocks,
+        layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, sample_size=64,
+        **factors,
+    ))  # fmt: skip
+
+
+SD3_VAE = {"scaling_factor": 1.5305, "shift_factor": 0.0609, "use_quant_conv": False,
+           "use_post_quant_conv": False}  # fmt: skip
+FLUX_VAE = {"scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False,
+            "use_post_quant_conv": False}  # fmt: skip
+SD15_VAE = {"scaling_factor": 0.18215}
+
+
+# ---- saving -------------------------------------------------------------------------------------
+
+
+def _save(pipe: Any, folder: Path, tokenizer_classes: dict[str, str]) -> Path:
+    """save_pretrained, then the hub's names for the tokenizer classes and CLIP's vocab files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    for name, cls in tokenizer_classes.items():
+        index[name] = ["transformers", cls]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for name in tokenizer_classes:
+        tok = getattr(pipe, name)
+        for fname, data in getattr(tok, "_grouprl_files", {}).items():
+            (folder / name / fname).write_bytes(data)  # vocab.json / merges.txt, spiece.model
+    return folder
+
+
+# ---- the families -------------------------------------------------------------------------------
+
+
+def build_sd35_medium(folder: str | Path) -> Path:
+    """SD3.5 Medium replica (module docstring)."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    tok_l, tok_g, tok_t5 = clip_tokenizer(), clip_tokenizer(pad_token="!"), t5_tokenizer()
+    clip_l, clip_g, t5_dim = 32, 48, 96  # real: 768, 1280, 4096
+    transformer = _seeded(SEED, lambda: SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=t5_dim,
+        caption_projection_dim=32, pooled_projection_dim=clip_l + clip_g, pos_embed_max_size=32,
+        qk_norm="rms_norm", dual_attention_layers=(0,),
+    ))  # fmt: skip
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, vae=kl_vae(16, SEED + 1, **SD3_VAE),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        tokenizer=tok_l, text_encoder=clip_text_encoder(tok_l, clip_l, "quick_gelu",
+                                                        projection=True, seed=SEED + 2),
+        tokenizer_2=tok_g, text_encoder_2=clip_text_encoder(tok_g, clip_g, "gelu",
+                                                            projection=True, seed=SEED + 3),
+        tokenizer_3=tok_t5, text_encoder_3=t5_encoder(tok_t5, t5_dim, umt5=False, seed=SEED + 4),
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
+                                      "tokenizer_3": "T5TokenizerFast"})  # fmt: skip
+
+
+FLUX_DEV_SCHEDULER = {
+    "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+}  # fmt: skip
+FLUX_SCHNELL_SCHEDULER = {**FLUX_DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+
+
+def _flux(folder: str | Path, guidance_embeds: bool, scheduler: dict) -> Path:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    tok_l, tok_t5 = clip_tokenizer(), t5_tokenizer()
+    clip_l, t5_dim = 32, 96  # real: 768, 4096
+    transformer = _seeded(SEED, lambda: FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=t5_dim, pooled_projection_dim=clip_l,
+        guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6),
+    ))  # fmt: skip
+    pipe = FluxPipeline(
+        transformer=transformer, vae=kl_vae(16, SEED + 1, **FLUX_VAE),
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
+        tokenizer=tok_l, text_encoder=clip_text_encoder(tok_l, clip_l, "quick_gelu",
+                                                        projection=False, seed=SEED + 2),
+        tokenizer_2=tok_t5, text_encoder_2=t5_encoder(tok_t5, t5_dim, umt5=False, seed=SEED + 3),
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "CLIPTokenizer",
+                                      "tokenizer_2": "T5TokenizerFast"})  # fmt: skip
+
+
+def build_flux_dev(folder: str | Path) -> Path:
+    """FLUX.1-dev replica (module docstring)."""
+    return _flux(folder, True, FLUX_DEV_SCHEDULER)
+
+
+def build_flux_schnell(folder: str | Path) -> Path:
+    """FLUX.1-schnell replica (module docstring)."""
+    return _flux(folder, False, FLUX_SCHNELL_SCHEDULER)
+
+
+WAN_SCHEDULER = {
+    "num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+    "flow_shift": 3.0, "solver_order": 2, "solver_type": "bh2", "predict_x0": True,
+    "lower_order_final": True, "timestep_spacing": "linspace", "final_sigmas_type": "zero",
+    "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear", "steps_offset": 0,
+}  # fmt: skip
+
+
+def build_wan21_t2v(folder: str | Path) -> Path:
+    """Wan 2.1 T2V 1.3B replica (module docstring)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    tok = t5_tokenizer()
+    t5_dim = 96  # real: 4096
+    transformer = _seeded(SEED, lambda: WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=t5_dim, freq_dim=256, ffn_dim=32, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+    ))  # fmt: skip
+    vae = _seeded(SEED + 1, lambda: AutoencoderKLWan(
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ))  # fmt: skip
+    pipe = WanPipeline(
+        tokenizer=tok, text_encoder=t5_encoder(tok, t5_dim, umt5=True, seed=SEED + 2),
+        transformer=transformer, vae=vae, scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER),
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "T5TokenizerFast"})
+
+
+SD15_SCHEDULER = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+    "beta_schedule": "scaled_linear", "skip_prk_steps": True, "set_alpha_to_one": False,
+    "steps_offset": 1, "trained_betas": None,
+}  # fmt: skip
+
+
+def clip_image_processor(size: int = 224) -> Any:
+    """CLIPImageProcessor with CLIP's settings: shortest edge and centre crop `size`, bicubic,
+    OpenAI CLIP mean / std, rescale 1/255."""
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(
+        do_resize=True, size={"shortest_edge": size}, resample=3, do_center_crop=True,
+        crop_size={"height": size, "width": size}, do_rescale=True, rescale_factor=1 / 255,
+        do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True,
+    )  # fmt: skip
+
+
+def _clip_config(tok: Any, hidden: int, act: str, logit_scale: float) -> Any:
+    from transformers import CLIPConfig, CLIPVisionConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, image_size=224, patch_size=14, hidden_act=act, projection_dim=hidden,
+    )  # fmt: skip
+    return CLIPConfig(
+        text_config=_clip_text_config(tok, hidden, act).to_dict(),
+        vision_config=vision.to_dict(), projection_dim=hidden, logit_scale_init_value=logit_scale,
+    )  # fmt: skip
+
+
+def build_sd15(folder: str | Path) -> Path:
+    """Stable Diffusion 1.5 replica (module docstring)."""
+    from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+
+    tok = clip_tokenizer()
+    hidden = 32  # real: 768
+    unet = _seeded(SEED, lambda: UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(8, 16, 16, 16), norm_num_groups=4, cross_attention_dim=hidden,
+        attention_head_dim=2,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    ))  # fmt: skip
+    checker = _seeded(SEED + 3, lambda: StableDiffusionSafetyChecker(
+        _clip_config(tok, hidden, "quick_gelu", 2.6592)
+    ))  # fmt: skip
+    pipe = StableDiffusionPipeline(
+        vae=kl_vae(4, SEED + 1, **SD15_VAE), unet=unet,
+        text_encoder=clip_text_encoder(tok, hidden, "quick_gelu", projection=False, seed=SEED + 2),
+        tokenizer=tok, scheduler=PNDMScheduler(**SD15_SCHEDULER), safety_checker=checker,
+        feature_extractor=clip_image_processor(), requires_safety_checker=True,
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "CLIPTokenizer"})
+
+
+def _clip_model(folder: str | Path, act: str, pad: str, logit_scale: float, seed: int) -> Path:
+    from transformers import CLIPModel, CLIPProcessor
+
+    folder = Path(folder)
+    tok = clip_tokenizer(pad_token=pad)
+    model = _seeded(seed, lambda: CLIPModel(_clip_config(tok, 32, act, logit_scale)))
+    model.save_pretrained(folder)
+    CLIPProcessor(image_processor=clip_image_processor(), tokenizer=tok).save_pretrained(folder)
+    for fname, data in tok._grouprl_files.items():
+        (folder / fname).write_bytes(data)
+    return folder
+
+
+def build_pickscore(folder: str | Path) -> Path:
+    """PickScore_v1 (CLIP-H/14) with the laion CLIP-ViT-H-14 processor (module docstring)."""
+    return _clip_model(folder, "gelu", "!", 4.6052, SEED + 10)
+
+
+def build_clip_large(folder: str | Path) -> Path:
+    """openai/clip-vit-large-patch14 (module docstring)."""
+    return _clip_model(folder, "quick_gelu", "<|endoftext|>", 2.6592, SEED + 11)
+
+
+DIFFUSION_REPLICAS: dict[str, Callable[[str | Path], Path]] = {
+    "sd3.5-medium": build_sd35_medium,
+    "flux.1-dev": build_flux_dev,
+    "flux.1-schnell": build_flux_schnell,
+    "wan2.1-t2v": build_wan21_t2v,
+    "sd1.5": build_sd15,
+    "pickscore": build_pickscore,
+    "clip-vit-large-patch14": build_clip_large,
+}
