@@ -25,10 +25,14 @@ def test_save_layout_and_load(tmp_path):
     mgr = CheckpointManager(tmp_path)
     path = _save(mgr, 7)
     assert path == tmp_path / "checkpoints" / "step-00000007"
-    assert sorted(os.listdir(path)) == ["manifest.json", "model", "trainer_state.pt"]
+    assert sorted(os.listdir(path)) == [
+        "manifest.json", "model", "trainer_state.json", "trainer_state.safetensors",
+    ]  # fmt: skip
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 7
-    assert set(manifest["files"]) == {"model/weights.pt", "trainer_state.pt"}
+    assert set(manifest["files"]) == {
+        "model/weights.pt", "trainer_state.json", "trainer_state.safetensors",
+    }  # fmt: skip
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000007"
     state = CheckpointManager.load(path)
     assert state["step"] == 7 and state["pos"] == 70 and "rng" in state
@@ -103,7 +107,7 @@ def test_leftover_tmp_dirs_cleaned_and_ignored(tmp_path):
     _save(mgr, 1)
     debris = mgr.dir / ".tmp-step-00000002"
     (debris / "model").mkdir(parents=True)
-    (debris / "trainer_state.pt").write_bytes(b"partial")
+    (debris / "trainer_state.json").write_bytes(b"partial")
     assert mgr.latest().name == "step-00000001"  # ignored even before cleaning
     CheckpointManager(tmp_path)
     assert not debris.exists()
