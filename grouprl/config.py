@@ -141,9 +141,53 @@ def check_combinations(cfg: Config) -> None:
 # ---- loading ----------------------------------------------------------------------------------
 
 
+# A config expanded (every alias replaced by a copy of its anchor) has at most this many nodes.
+# Real configs have hundreds; a "billion laughs" alias bomb of 1 KB expands to ~10^9 and would
+# hang whatever walks it (validation, overrides), so it is refused before anything walks it.
+MAX_YAML_NODES = 100_000
+
+
 class _YAML12Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 booleans: only true/false, so option values such as `off` or
-    `on` stay strings (PyYAML follows YAML 1.1, where off/on/yes/no are booleans)."""
+    `on` stay strings (PyYAML follows YAML 1.1, where off/on/yes/no are booleans); and a limit on
+    the size of the document with its aliases expanded (MAX_YAML_NODES)."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _check_expanded_size(node)
+        return node
+
+
+def _check_expanded_size(root: Any) -> None:
+    """Count the nodes of `root` as if every alias were expanded (shared nodes counted once per
+    reference, computed once each: linear in the document's size); raise past MAX_YAML_NODES."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError("the YAML refers to itself through an alias (a recursive anchor)")
+        open_nodes.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        open_nodes.discard(key)
+        if total > MAX_YAML_NODES:
+            raise ConfigError(
+                f"the YAML expands to more than {MAX_YAML_NODES} values once its aliases (*name) "
+                "are replaced by their anchors (&name): an alias bomb, or a config far larger "
+                "than any real one; refused"
+            )
+        sizes[key] = total
+        return total
+
+    if root is not None:
+        size(root)
 
 
 _YAML12Loader.yaml_implicit_resolvers = {
@@ -158,6 +202,8 @@ _YAML12Loader.add_implicit_resolver(
 def _load_yaml(text: str, where: str = "the YAML text") -> Any:
     try:
         return yaml.load(text, Loader=_YAML12Loader)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         detail = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ConfigError(f"{where} is not valid YAML: {detail}") from None
