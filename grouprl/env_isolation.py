@@ -26,6 +26,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from grouprl.process_tree import become_subreaper, kill_tree
+
 _log = logging.getLogger(__name__)
 
 
@@ -49,6 +51,7 @@ def _describe(exc: BaseException) -> str:
 def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
     """Env process loop: (command, argument) in, ("ok", value) or ("error", text, is_attr) out."""
     parent_end.close()
+    become_subreaper()  # processes the env starts (daemons too) stay in this tree: kill()
     while True:
         try:
             command, arg = conn.recv()
@@ -102,9 +105,10 @@ class _EnvProcess:
         raise (AttributeError if reply[2] else _RemoteError)(reply[1])
 
     def kill(self) -> None:
+        """End the env process and every process it started (setsid daemons included)."""
         self.dead = True
-        if self.proc.is_alive():
-            self.proc.kill()
+        if self.proc.pid is not None and self.proc.exitcode is None:  # not reaped: pid is ours
+            kill_tree(self.proc.pid)
         self.proc.join(timeout=5)
         self.conn.close()
 
