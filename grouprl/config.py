@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import re
 import warnings
 import weakref
@@ -100,7 +101,9 @@ class Config(_Section):
         if blocked:
             warnings.warn(
                 f"algorithm.preset={name!r} cannot apply all its settings: the config sets "
-                + ", ".join(f"{k}={mine!r} (the preset's: {v!r})" for k, v, mine in blocked)
+                + ", ".join(
+                    f"{k}={_plain(mine)!r} (the preset's: {_plain(v)!r})" for k, v, mine in blocked
+                )  # fmt: skip
                 + " itself; the config's values are kept. Remove those keys from the config to "
                 "run the preset as published",
                 stacklevel=2,
@@ -115,6 +118,15 @@ class Config(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
+
+
+def _plain(value: Any) -> Any:
+    """A preset value as YAML shows it (read-only mappings -> dict, tuples -> list)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -383,7 +395,7 @@ def user_settings(cfg: Config) -> dict:
     for key, value in flatten(cfg.model_dump(mode="json")).items():
         if baseline.get(key, object()) != value:
             _set_dotted(out, key, value)
-    return out
+    return json.loads(json.dumps(out, default=str))  # plain YAML types (tuples, paths from code)
 
 
 def save_run_config(cfg: Config, run_dir: Path) -> None:

@@ -35,7 +35,9 @@ class RunConfig(_Section):
     allow_config_change: bool = Field(
         False,
         description="Resume even though the config differs from the one the run was started with "
-        "(the differences are printed and appended to config_changes.jsonl); false refuses.",
+        "(the differences are printed and appended to config_changes.jsonl); false refuses. "
+        "Always allowed: run.resume / overwrite / allow_config_change / output_dir / name / "
+        "console / log_backends / num_threads / device and train.steps (run_state.RESUME_EXEMPT).",
     )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Where to train.")
     num_threads: int | None = Field(None, description="torch CPU threads (None: torch default).")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,12 @@ def crashes(completions, **_):
     ctypes.string_at(0)  # reads address 0: SIGSEGV in this process
 
 
+def slow(completions, **_):
+    open("started", "w").close()
+    time.sleep(0.5)
+    return [0.0] * len(completions)
+
+
 def spawns(completions, **_):
     """Double fork + setsid: a sleeper in its own session, which a per-process kill misses."""
     pid = os.fork()
@@ -182,9 +190,11 @@ def spawns(completions, **_):
 '''
 
 
-def _cli(tmp_path, tiny_model_dir, reward, *overrides, timeout=240, **reward_fields):
+def _cli(tmp_path, tiny_model_dir, reward, *overrides, timeout=240, interrupt=False,
+         **reward_fields):  # fmt: skip
     """Run the command line in a fresh interpreter from tmp_path/work, as the `grouprl` console
-    script does: sys.path[0] is the script's own folder, not the working directory."""
+    script does: sys.path[0] is the script's own folder, not the working directory. interrupt:
+    send SIGINT (Ctrl-C) once the reward has started."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     (work / "myrewards.py").write_text(USER_REWARDS)
@@ -198,10 +208,18 @@ def _cli(tmp_path, tiny_model_dir, reward, *overrides, timeout=240, **reward_fie
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("GROUPRL_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, str(bin_dir / "grouprl_script.py"), "train", "cfg.yaml", *overrides],
-        cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    cmd = [sys.executable, str(bin_dir / "grouprl_script.py"), "train", "cfg.yaml", *overrides]
+    if not interrupt:
+        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not (work / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_cli_resolves_module_function_rewards_from_the_working_directory(tmp_path, tiny_model_dir):
@@ -216,6 +234,12 @@ def test_cli_a_reward_calling_sys_exit_0_is_an_error_exit_naming_it(tmp_path, ti
     assert done.returncode != 0, "SystemExit(0) from a reward ended the run as a success"
     assert "SystemExit(0)" in done.stderr and "'exits'" in done.stderr, done.stderr[-3000:]
     assert "myrewards.py" in done.stderr
+
+
+def test_cli_ctrl_c_still_stops_the_trainer(tmp_path, tiny_model_dir):
+    done = _cli(tmp_path, tiny_model_dir, "slow", "train.steps=50", interrupt=True)
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr[-2000:]
+    assert "UserCodeExit" not in done.stderr
 
 
 def test_cli_a_segfaulting_reward_ends_the_run_with_a_message_naming_it(tmp_path, tiny_model_dir):
