@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from grouprl.checkpoint import CheckpointManager, restore_rng
-from grouprl.config import Config, flatten, save_run_config
+from grouprl.config import ACTION_KEYS, Config, flatten, save_run_config
 from grouprl.policies.flow_weights import OLD  # state_dict prefix of old / EMA weights
 
 RESUME_EXEMPT = frozenset({
@@ -77,7 +77,8 @@ def _describe(changes: dict[str, tuple[Any, Any]]) -> str:
 
 
 def config_changes(cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """{dotted key: (the run's value, this config's value)} for every differing key."""
+    """{dotted key: (the run's value, this config's value)} for every differing key but the
+    per-invocation flags (run.resume / overwrite / allow_config_change)."""
     run_dir = cfg.run_dir
     saved = next((p for p in (run_dir / "config.resolved.yaml", run_dir / "config.yaml")
                   if p.is_file()), None)  # fmt: skip
@@ -92,7 +93,7 @@ def config_changes(cfg: Config) -> dict[str, tuple[Any, Any]]:
     return {
         k: (old.get(k), new.get(k))
         for k in sorted(set(old) | set(new))
-        if old.get(k, missing) != new.get(k, missing)
+        if old.get(k, missing) != new.get(k, missing) and k not in ACTION_KEYS
     }
 
 
