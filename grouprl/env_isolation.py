@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,7 +56,8 @@ def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
     while True:
         try:
             command, arg = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the parent closed the pipe or went away
+            kill_tree(os.getpid(), include_root=False)  # what the env started ends with us
             return
         try:
             if command == "reset":
@@ -74,6 +76,7 @@ def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
         except Exception as exc:
             conn.send(("error", f"the env's answer cannot be sent back: {_describe(exc)}", False))
         if command == "close":
+            kill_tree(os.getpid(), include_root=False)
             return
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import deque
@@ -64,6 +65,7 @@ def _serve(fn: RewardFn, conn: Connection, parent_end: Connection) -> None:
         try:
             args, kwargs = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe or went away
+            kill_tree(os.getpid(), include_root=False)  # what the reward started ends with us
             return
         try:
             reply: tuple = ("ok", fn(*args, **kwargs))
