@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ import torch
 import yaml
 
 from grouprl.checkpoint import CheckpointManager, restore_rng
-from grouprl.config import ACTION_KEYS, Config, flatten, save_run_config
+from grouprl.config import (
+    ACTION_KEYS,
+    Config,
+    _load_yaml,
+    flatten,
+    load_config,
+    save_run_config,
+)
 from grouprl.policies.flow_weights import OLD  # state_dict prefix of old / EMA weights
 
 RESUME_EXEMPT = frozenset({
@@ -43,7 +51,11 @@ class ConfigChangedError(ValueError):
 
 
 def _holds_run(run_dir: Path) -> bool:
-    return (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir()
+    """A run was started here: it logged, or it saved a checkpoint."""
+    ckpts = run_dir / "checkpoints"
+    return (run_dir / "metrics.jsonl").exists() or (
+        ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())
+    )
 
 
 def check_run_dir(cfg: Config) -> dict[str, tuple[Any, Any]]:
@@ -80,14 +92,20 @@ def config_changes(cfg: Config) -> dict[str, tuple[Any, Any]]:
     """{dotted key: (the run's value, this config's value)} for every differing key but the
     per-invocation flags (run.resume / overwrite / allow_config_change)."""
     run_dir = cfg.run_dir
-    saved = next((p for p in (run_dir / "config.resolved.yaml", run_dir / "config.yaml")
-                  if p.is_file()), None)  # fmt: skip
-    if saved is None:
-        return {}
+    resolved, mine = run_dir / "config.resolved.yaml", run_dir / "config.yaml"
     try:
-        old_raw = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{saved} does not parse ({exc}); cannot compare configs") from None
+        if resolved.is_file():  # the record of every value the run used
+            # the alias-limited loader: a run directory may come from someone else
+            old_raw = _load_yaml(resolved.read_text(encoding="utf-8"), str(resolved)) or {}
+        elif mine.is_file():  # older runs: a resolved config.yaml; else what the user set
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                old_raw = load_config(mine).model_dump(mode="json")
+        else:
+            return {}
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"the run's config in {str(run_dir)!r} does not load ({exc}); cannot "
+                         "compare it with this one for run.resume") from None  # fmt: skip
     old, new = flatten(old_raw), flatten(cfg.model_dump(mode="json"))
     missing = object()
     return {

@@ -36,7 +36,9 @@ def test_save_layout_and_load(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000007"
     state = CheckpointManager.load(path)
     assert state["step"] == 7 and state["pos"] == 70 and "rng" in state
-    assert torch.equal(torch.load(path / "model" / "weights.pt")["w"], torch.ones(3))
+    assert torch.equal(
+        torch.load(path / "model" / "weights.pt", weights_only=True)["w"], torch.ones(3)
+    )
     assert mgr.latest() == path
 
 
@@ -146,7 +148,9 @@ def test_resave_same_step_replaces(tmp_path):
     mgr = CheckpointManager(tmp_path)
     _save(mgr, 5, value=1.0)
     path = _save(mgr, 5, value=2.0)
-    assert torch.equal(torch.load(path / "model" / "weights.pt")["w"], torch.full((3,), 2.0))
+    assert torch.equal(
+        torch.load(path / "model" / "weights.pt", weights_only=True)["w"], torch.full((3,), 2.0)
+    )
     assert not list(mgr.dir.glob(".tmp-*"))
 
 

@@ -295,3 +295,15 @@ def test_resume_drops_a_torn_last_log_line_and_refuses_a_garbled_middle_one(
     (run_dir / "metrics.jsonl").write_bytes(b"\n".join(lines))
     with pytest.raises(LogFileError, match=r"metrics\.jsonl line 3.*only the last line"):
         train(_cfg(tmp_path, tiny_model_dir, "run.resume=true", "train.steps=3"))
+
+
+def test_resume_reads_the_run_config_with_the_alias_limit(finished_run, tmp_path, tiny_model_dir):
+    """A run directory from someone else with an alias bomb as its config record: resume stops
+    at once with the reason instead of hanging while comparing configs."""
+    from grouprl.run_state import config_changes
+
+    shutil.copytree(finished_run, tmp_path / "run")
+    (tmp_path / "run" / "config.resolved.yaml").write_text(_BOMB)
+    cfg = _cfg(tmp_path, tiny_model_dir, "run.resume=true")
+    with pytest.raises(ValueError, match="alias"):
+        config_changes(cfg)
