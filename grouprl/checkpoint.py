@@ -2,8 +2,10 @@
 
 Layout under run_dir/checkpoints/:
   step-00000100/model/               whatever `save_model` wrote (HF save_pretrained layout)
-  step-00000100/trainer_state.pt     the caller's `state` (optimizer, scheduler, step, data position)
-                                     plus the RNG states under the key "rng"
+  step-00000100/trainer_state.safetensors + trainer_state.json
+                                     the caller's `state` (optimizer, scheduler, step, data position)
+                                     plus the RNG states under the key "rng": tensors as
+                                     safetensors, the rest as JSON (grouprl/trainer_state.py)
   step-00000100/manifest.json        {"format", "step", "time", "files": {relpath: size},
                                      "sha256": {relpath: hex digest}}, written LAST
   latest                             the name of the newest checkpoint (for people and tools)
@@ -19,6 +21,11 @@ checksums: `latest(verify=True)`, which resumes use, re-hashes the newest checkp
 when one does not match (or is truncated, or missing), warns, renames that checkpoint to
 `corrupt-step-...` (kept for a person to inspect, ignored from then on) and tries the previous one.
 Manifests of format 1 (sizes only, no checksums) are still accepted.
+
+No pickle is ever loaded: a run directory may come from someone else, and the checksums do not
+help against that (whoever writes a file writes its manifest too). Checkpoints of older grouprl
+versions hold `trainer_state.pt`, a pickle; resuming one is refused with a message saying so
+(the file is never opened).
 """
 
 from __future__ import annotations
@@ -38,14 +45,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grouprl.trainer_state import JSON_FILE, TENSORS_FILE, read_state, write_state
+
 MANIFEST = "manifest.json"
-STATE_FILE = "trainer_state.pt"
+STATE_FILES = (TENSORS_FILE, JSON_FILE)
+LEGACY_STATE_FILE = "trainer_state.pt"  # a pickle (grouprl before the safetensors + JSON state)
 MODEL_DIR = "model"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class NonFiniteCheckpointError(ValueError):
     """Raised by `save` when a tensor to be saved holds NaN/inf; nothing was written."""
+
+
+class LegacyCheckpointError(ValueError):
+    """A checkpoint whose trainer state is a pickle (trainer_state.pt): refused, never opened."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -143,7 +157,9 @@ def _manifest_ok(ckpt: Path) -> bool:
     try:
         manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        if m is None or int(manifest["step"]) != int(m.group(1)) or STATE_FILE not in files:
+        if m is None or int(manifest["step"]) != int(m.group(1)):
+            return False
+        if not (all(f in files for f in STATE_FILES) or LEGACY_STATE_FILE in files):
             return False
         return all((ckpt / rel).stat().st_size == int(size) for rel, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -207,8 +223,9 @@ class CheckpointManager:
     ) -> Path:
         """Write checkpoint `step` atomically and return its directory.
 
-        save_model(dir) writes the weights into dir (created empty beforehand); `state` must be
-        picklable and must not use the key "rng" (the RNG states are stored there). If
+        save_model(dir) writes the weights into dir (created empty beforehand); `state` holds
+        tensors, numbers, strings, None, lists, tuples, dicts and numeric numpy values only (see
+        grouprl/trainer_state.py; anything else raises before writing) and must not use the key "rng" (the RNG states are stored there). If
         `check_finite` holds a NaN/inf tensor, NonFiniteCheckpointError is raised before anything
         is written. If anything fails midway the temporary directory is removed and the error
         re-raised; the previous checkpoints are untouched.
@@ -223,7 +240,7 @@ class CheckpointManager:
         try:
             (tmp / MODEL_DIR).mkdir(parents=True)
             save_model(tmp / MODEL_DIR)
-            torch.save({**state, "rng": capture_rng()}, tmp / STATE_FILE)
+            write_state({**state, "rng": capture_rng()}, tmp)
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
             for p in files:
                 _fsync_file(p)
@@ -270,14 +287,24 @@ class CheckpointManager:
     def load(path: Path | str) -> dict[str, Any]:
         """The trainer state of checkpoint `path` (a `step-*` directory), including "rng".
 
-        The model weights are in path / MODEL_DIR for the policy to load. torch.load runs with
-        weights_only=False because the state holds optimizer states, numpy RNG tuples and other
-        plain Python objects; that is safe here since we only load files this class wrote into our
-        own run directory. Never point it at a checkpoint from an untrusted source.
+        The model weights are in path / MODEL_DIR for the policy to load. Only safetensors and
+        JSON are read: nothing in a checkpoint can run code. A checkpoint of an older grouprl
+        (trainer_state.pt, a pickle) raises LegacyCheckpointError without the file being opened.
         """
         path = Path(path)
         if not _manifest_ok(path):
             raise FileNotFoundError(
                 f"{path} is not a complete checkpoint (missing/invalid {MANIFEST} or files)"
             )
-        return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        files = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["files"]
+        if not all(f in files for f in STATE_FILES):
+            raise LegacyCheckpointError(
+                f"checkpoint {str(path)!r} stores its trainer state in {LEGACY_STATE_FILE}, a pickle "
+                "written by an older grouprl; grouprl no longer loads pickles (unpickling a file "
+                "runs whatever code its author put in it, and a run directory may come from "
+                "someone else). The file was not opened. Resume this run with the grouprl version "
+                "that wrote it, or start afresh (run.overwrite=true, or another run.name); the "
+                f"weights in {str(path / MODEL_DIR)!r} are safetensors and can seed a new run "
+                "(model.name_or_path)"
+            )
+        return read_state(path)

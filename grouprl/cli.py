@@ -7,6 +7,7 @@ import os
 import sys
 
 from grouprl.config import ConfigError, load_config
+from grouprl.user_inputs import enable_crash_traces
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -50,6 +51,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a crash of the interpreter (a reward or env calling into C that segfaults) prints every
+    # thread's Python stack to stderr, so the message names the user function that crashed
+    enable_crash_traces()
     parser = argparse.ArgumentParser(prog="grouprl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy from a YAML config")
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
-        # bad input (config, data, model path, non-finite loss): one clear message, no traceback
+        # bad input (config, data, model path, non-finite loss, a checkpoint that cannot be
+        # trusted, user code that exited: train.UserCodeExit): one clear message, no traceback
         # wall; GROUPRL_DEBUG=1 shows the traceback for bug reports
         if os.environ.get("GROUPRL_DEBUG"):
             raise

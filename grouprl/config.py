@@ -2,14 +2,24 @@
 
 One pydantic model per component, a docstring (description) per field; unknown keys fail with the
 nearest valid key, wrong values with the allowed ones; incompatible settings fail or warn with why.
-The `algorithm.preset` named in objectives.presets fills every algorithm field the user left unset.
+The `algorithm.preset` named in objectives.presets fills every algorithm field the user left unset
+(and the fields of other sections it names, when the config leaves them unset: a preset blocked by
+the config's own values warns, naming the keys).
+
+What the user wrote is kept apart from what defaults and the preset filled in: `user_settings(cfg)`
+gives the former (a run's config.yaml), `cfg.model_dump()` the latter (config.resolved.yaml), so a
+saved config.yaml re-used with another preset (`grouprl train runs/x/config.yaml
+algorithm.preset=dapo`) is re-resolved under the new preset instead of keeping the old one's values.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import json
 import re
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,7 +82,9 @@ class Config(_Section):
         if not isinstance(algo, dict):
             return data
         data = dict(data)
-        for key, value in preset_settings(algo.get("preset", "grpo"), sections=True).items():
+        name = algo.get("preset", "grpo")
+        blocked = []
+        for key, value in preset_settings(name, sections=True).items():
             section, field = key.split(".", 1)
             current = data.get(section) or {}
             if not isinstance(current, dict):
@@ -80,8 +92,22 @@ class Config(_Section):
             mine = current.get(field, {})
             if isinstance(value, Mapping) and isinstance(mine, dict):
                 data[section] = {**current, field: {**value, **mine}}
+                blocked += [(f"{key}.{k}", value[k], mine[k]) for k in value
+                            if k in mine and not _same(mine[k], value[k])]  # fmt: skip
             elif field not in current:
                 data[section] = {**current, field: value}
+            elif not _same(current[field], value):
+                blocked.append((key, value, current[field]))
+        if blocked:
+            warnings.warn(
+                f"algorithm.preset={name!r} cannot apply all its settings: the config sets "
+                + ", ".join(
+                    f"{k}={_plain(mine)!r} (the preset's: {_plain(v)!r})" for k, v, mine in blocked
+                )  # fmt: skip
+                + " itself; the config's values are kept. Remove those keys from the config to "
+                "run the preset as published",
+                stacklevel=2,
+            )
         return data
 
     @model_validator(mode="after")
@@ -92,6 +118,22 @@ class Config(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
+
+
+def _plain(value: Any) -> Any:
+    """A preset value as YAML shows it (read-only mappings -> dict, tuples -> list)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as config values (a preset's tuple equals the YAML's list)."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 _GROUP_BASELINES = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"}
@@ -146,9 +188,53 @@ def check_combinations(cfg: Config) -> None:
 # ---- loading ----------------------------------------------------------------------------------
 
 
+# A config expanded (every alias replaced by a copy of its anchor) has at most this many nodes.
+# Real configs have hundreds; a "billion laughs" alias bomb of 1 KB expands to ~10^9 and would
+# hang whatever walks it (validation, overrides), so it is refused before anything walks it.
+MAX_YAML_NODES = 100_000
+
+
 class _YAML12Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 booleans: only true/false, so option values such as `off` or
-    `on` stay strings (PyYAML follows YAML 1.1, where off/on/yes/no are booleans)."""
+    `on` stay strings (PyYAML follows YAML 1.1, where off/on/yes/no are booleans); and a limit on
+    the size of the document with its aliases expanded (MAX_YAML_NODES)."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _check_expanded_size(node)
+        return node
+
+
+def _check_expanded_size(root: Any) -> None:
+    """Count the nodes of `root` as if every alias were expanded (shared nodes counted once per
+    reference, computed once each: linear in the document's size); raise past MAX_YAML_NODES."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError("the YAML refers to itself through an alias (a recursive anchor)")
+        open_nodes.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        open_nodes.discard(key)
+        if total > MAX_YAML_NODES:
+            raise ConfigError(
+                f"the YAML expands to more than {MAX_YAML_NODES} values once its aliases (*name) "
+                "are replaced by their anchors (&name): an alias bomb, or a config far larger "
+                "than any real one; refused"
+            )
+        sizes[key] = total
+        return total
+
+    if root is not None:
+        size(root)
 
 
 _YAML12Loader.yaml_implicit_resolvers = {
@@ -163,6 +249,8 @@ _YAML12Loader.add_implicit_resolver(
 def _load_yaml(text: str, where: str = "the YAML text") -> Any:
     try:
         return yaml.load(text, Loader=_YAML12Loader)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         detail = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ConfigError(f"{where} is not valid YAML: {detail}") from None
@@ -229,9 +317,15 @@ def _explain(err: ValidationError) -> str:
 
 
 def validate(raw: dict) -> Config:
-    """Raw mapping -> Config, turning pydantic's errors into one readable ConfigError."""
+    """Raw mapping -> Config, turning pydantic's errors into one readable ConfigError. The mapping
+    is remembered as what the user wrote (`user_settings`)."""
+    written = copy.deepcopy(raw) if isinstance(raw, dict) else None
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
+        if written is not None:
+            _USER_SETTINGS[id(cfg)] = written
+            weakref.finalize(cfg, _USER_SETTINGS.pop, id(cfg), None)
+        return cfg
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
     except ValueError as err:  # a preset name or a combination check
@@ -255,9 +349,69 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return validate(apply_overrides(raw, list(overrides)))
 
 
-def save_resolved(cfg: Config, path: Path) -> None:
+def save_resolved(cfg: Config, path: Path, header: str = "") -> None:
     """Write the fully resolved config (every default and preset value spelled out)."""
+    _write_yaml(path, cfg.model_dump(mode="json"), header)
+
+
+def _write_yaml(path: Path, data: dict, header: str = "") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     tmp.replace(path)
+
+
+# ---- what the user wrote, apart from what defaults and presets filled in ----------------------
+
+_USER_SETTINGS: dict[int, dict] = {}  # id(Config) -> the mapping validate() was given
+# per-invocation actions, not settings of the run: never written into a run's config.yaml
+ACTION_KEYS = ("run.resume", "run.overwrite", "run.allow_config_change")
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}, "c": [1]} -> {"a.b": 1, "c": [1]} (lists are values, mappings are walked)."""
+    if not isinstance(data, Mapping) or (prefix and not data):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(data.get(part), dict):
+            data[part] = {}
+        data = data[part]
+    data[last] = value
+
+
+def user_settings(cfg: Config) -> dict:
+    """What the user set: the mapping validate() was given, plus any field changed on the Config
+    since (attribute assignment). A Config built another way: its explicitly set fields."""
+    written = _USER_SETTINGS.get(id(cfg))
+    if written is None:
+        return cfg.model_dump(mode="json", exclude_unset=True)
+    out = copy.deepcopy(written)
+    with warnings.catch_warnings():  # the preset warnings were given when cfg was made
+        warnings.simplefilter("ignore")
+        baseline = flatten(Config.model_validate(copy.deepcopy(written)).model_dump(mode="json"))
+    for key, value in flatten(cfg.model_dump(mode="json")).items():
+        if baseline.get(key, object()) != value:
+            _set_dotted(out, key, value)
+    return json.loads(json.dumps(out, default=str))  # plain YAML types (tuples, paths from code)
+
+
+def save_run_config(cfg: Config, run_dir: Path) -> None:
+    """config.yaml: what the user set (re-usable, e.g. with another preset); config.resolved.yaml:
+    every value the run used (defaults and preset values spelled out)."""
+    mine = user_settings(cfg)
+    for key in ACTION_KEYS:
+        section, field = key.split(".")
+        if isinstance(mine.get(section), dict):
+            mine[section].pop(field, None)
+    _write_yaml(run_dir / "config.yaml", mine, "# the settings this run was started with (what "
+                "the config file and overrides set; defaults and preset values are in "
+                "config.resolved.yaml)\n")  # fmt: skip
+    save_resolved(cfg, run_dir / "config.resolved.yaml", "# every value this run used\n")

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+from grouprl.process_tree import become_subreaper, kill_tree
 
 _log = logging.getLogger(__name__)
 
@@ -49,10 +52,12 @@ def _describe(exc: BaseException) -> str:
 def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
     """Env process loop: (command, argument) in, ("ok", value) or ("error", text, is_attr) out."""
     parent_end.close()
+    become_subreaper()  # processes the env starts (daemons too) stay in this tree: kill()
     while True:
         try:
             command, arg = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the parent closed the pipe or went away
+            kill_tree(os.getpid(), include_root=False)  # what the env started ends with us
             return
         try:
             if command == "reset":
@@ -71,6 +76,7 @@ def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
         except Exception as exc:
             conn.send(("error", f"the env's answer cannot be sent back: {_describe(exc)}", False))
         if command == "close":
+            kill_tree(os.getpid(), include_root=False)
             return
 
 
@@ -102,9 +108,10 @@ class _EnvProcess:
         raise (AttributeError if reply[2] else _RemoteError)(reply[1])
 
     def kill(self) -> None:
+        """End the env process and every process it started (setsid daemons included)."""
         self.dead = True
-        if self.proc.is_alive():
-            self.proc.kill()
+        if self.proc.pid is not None and self.proc.exitcode is None:  # not reaped: pid is ours
+            kill_tree(self.proc.pid)
         self.proc.join(timeout=5)
         self.conn.close()
 

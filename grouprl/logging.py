@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -193,7 +194,8 @@ class RunLogger:
     def truncate_after(self, step: int) -> None:
         """Drop metric and sample lines with step > `step` (a resumed run rewinds to its checkpoint).
 
-        Lines that do not parse (a crash mid-write) are dropped too. Rewritten atomically."""
+        A torn last line (a crash mid-write) is dropped with a warning; a garbled line before it
+        raises LogFileError naming the file and line. Rewritten atomically."""
         self._metrics_file.close()
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
@@ -265,15 +267,36 @@ def _open_append(path: Path):
     return open(path, "a", encoding="utf-8")
 
 
+class LogFileError(ValueError):
+    """A jsonl log of the run directory has a garbled line before its last one."""
+
+
 def _read_jsonl(path: Path) -> list[dict]:
+    """The records of a jsonl log, read for a resume. A garbled last line (a crash mid-write: cut
+    JSON, cut UTF-8, bytes of junk) is dropped with a warning; a garbled line before it cannot come
+    from a crash and raises LogFileError naming the file and the line."""
+    lines = path.read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
-        if isinstance(record, dict):
-            out.append(record)
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = f"{path} line {number}: {' '.join(str(exc).split())[:200]}"
+            if number == len(lines):
+                warnings.warn(f"dropping the torn last line of {what} (a crash mid-write)",
+                              stacklevel=3)  # fmt: skip
+                break
+            raise LogFileError(
+                f"{what}; only the last line of a log can be torn by a crash, so this file was "
+                "edited or damaged: fix or delete that line to resume"
+            ) from None
+        out.append(record)
     return out
 
 

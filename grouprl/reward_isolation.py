@@ -12,6 +12,8 @@ RewardFailure (naming the reward and the sample) instead. Isolation modes (optio
              closures and functions loaded from files work, nothing is pickled but the samples
              and the results). A call past its deadline gets its worker SIGKILLed and replaced.
              A worker that dies (segfault, os._exit) costs one sample and is replaced too.
+             Processes the function starts, daemons included, end with their worker
+             (grouprl.process_tree: the worker is their subreaper; close() kills the tree).
              Needs Linux/macOS fork; a CUDA reward model cannot run in a forked child.
   "thread"   each call in a daemon thread of this process (for reward models on a GPU). A call
              past its deadline is abandoned, not stopped (Python threads cannot be killed): its
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import deque
@@ -37,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
 from grouprl.envs.rewards.loading import RewardFn, _check_values, _row
+from grouprl.process_tree import become_subreaper, kill_tree
 
 _log = logging.getLogger(__name__)
 Isolation = Literal["process", "thread"]
@@ -56,10 +60,12 @@ def _describe(exc: BaseException) -> str:
 def _serve(fn: RewardFn, conn: Connection, parent_end: Connection) -> None:
     """Worker process loop: (args, kwargs) in, ("ok", value) or ("error", text) out."""
     parent_end.close()
+    become_subreaper()  # processes the reward starts (daemons too) stay in this tree: kill()
     while True:
         try:
             args, kwargs = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe or went away
+            kill_tree(os.getpid(), include_root=False)  # what the reward started ends with us
             return
         try:
             reply: tuple = ("ok", fn(*args, **kwargs))
@@ -102,8 +108,9 @@ class _Worker:
             return "error", f"the worker process died (exit code {self.proc.exitcode})"
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
+        """End the worker and every process it started (setsid daemons included)."""
+        if self.proc.pid is not None and self.proc.exitcode is None:  # not reaped: pid is ours
+            kill_tree(self.proc.pid)
         self.proc.join(timeout=5)
         self.conn.close()
 

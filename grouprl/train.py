@@ -9,8 +9,11 @@ Each step:  sample prompts_per_step x group_size  ->  score with the reward func
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import warnings
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +27,7 @@ from grouprl.build import (
     sampling_params,
     seed_everything,
 )
-from grouprl.config import Config, save_resolved
+from grouprl.config import Config
 from grouprl.distributed import SINGLE, Dist
 from grouprl.distributed import setup as setup_dist
 from grouprl.envs.tasks import build_task
@@ -40,8 +43,14 @@ from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.images import is_images
 from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
-from grouprl.run_state import claim_run_dir, resume_from, save_checkpoint
+from grouprl.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
 from grouprl.types import Rollout
+from grouprl.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
+
+
+class UserCodeExit(RuntimeError):
+    """User code (a reward, an env, a tool) raised SystemExit inside the run: the run stops with
+    an error instead of `grouprl train` exiting 0 with the steps undone."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -231,17 +240,53 @@ _GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a g
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run the configured training; returns {"before": eval metrics, "after": ..., "run_dir": ...}."""
+    """Run the configured training; returns {"before": eval metrics, "after": ..., "run_dir": ...}.
+
+    Setup order (the run directory is touched only once everything is built): read-only checks of
+    the run directory (a run there needs run.resume / run.overwrite; a resume compares configs),
+    then task, rewards, model, optimizer and sampler, and only then the run directory is claimed
+    (an old run deleted with run.overwrite, the configs written). User modules resolve from the
+    working directory (user_inputs.user_code_on_path); SystemExit from user code becomes
+    UserCodeExit; a crash of the interpreter (a segfaulting reward) prints every thread's Python
+    stack, naming the function that crashed (faulthandler)."""
+    with ExitStack() as stack:
+        stack.enter_context(user_code_on_path())
+        if enable_crash_traces():
+            stack.callback(faulthandler.disable)
+        try:
+            return _train(cfg, stack)
+        except SystemExit as exc:
+            raise UserCodeExit(
+                f"the run stopped: {_exit_origin(exc)} raised SystemExit({exc.code!r}) (e.g. "
+                "sys.exit() or exit()) inside the training loop; user code must return or raise "
+                "an exception, never exit the trainer"
+            ) from exc
+
+
+def _exit_origin(exc: BaseException) -> str:
+    """'function f (file.py, line 3)' for the innermost frame outside grouprl, torch and the
+    standard library: the user code that raised."""
+    import sysconfig
+    import traceback
+
+    ours = str(Path(__file__).resolve().parent)
+    skip = (ours, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(skip)]  # fmt: skip
+    if not frames:
+        return "user code"
+    f = frames[-1]
+    return f"function {f.name!r} ({f.filename}, line {f.lineno})"
+
+
+def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one a person should read
     run_dir = cfg.run_dir
     dist = setup_dist(cfg)  # accelerate launch: this process's place; else one process
-    if dist.is_main:  # only the main process writes the run directory
-        claim_run_dir(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_resolved(cfg, run_dir / "config.yaml")
-    dist.barrier()
+    changes = check_run_dir(cfg)  # reads only: refuses mixing runs and unasked config changes
+    check_model_path(cfg.model)  # a missing local folder: one clear error, not the hub's
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
@@ -252,12 +297,16 @@ def train(cfg: Config) -> dict[str, Any]:
     reward_fns = isolate_rewards(
         reward_fns, isolation_settings(cfg.rewards), fail_fast=cfg.run.fail_fast
     )  # rewards with a timeout_s run per sample in workers with a deadline
+    stack.callback(_close_all, reward_fns)  # isolated rewards: their workers and descendants end
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, policy)
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
+    if dist.is_main:  # everything is built: only now is the run directory touched
+        claim_run_dir(cfg, changes)
+    dist.barrier()
     ckpts = dist.checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last)  # main writes
 
     step, before, after, nonfinite_streak = 0, None, None, 0
@@ -339,3 +388,11 @@ def train(cfg: Config) -> dict[str, Any]:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
             "accuracy_key": "success" if is_agent(cfg) else accuracy_key(reward_fns)}  # fmt: skip
+
+
+def _close_all(reward_fns: dict) -> None:
+    """Stop the worker processes of isolated rewards (and everything they started)."""
+    for fn in reward_fns.values():
+        close = getattr(fn, "close", None)
+        if callable(close):
+            close()

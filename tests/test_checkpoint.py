@@ -25,14 +25,20 @@ def test_save_layout_and_load(tmp_path):
     mgr = CheckpointManager(tmp_path)
     path = _save(mgr, 7)
     assert path == tmp_path / "checkpoints" / "step-00000007"
-    assert sorted(os.listdir(path)) == ["manifest.json", "model", "trainer_state.pt"]
+    assert sorted(os.listdir(path)) == [
+        "manifest.json", "model", "trainer_state.json", "trainer_state.safetensors",
+    ]  # fmt: skip
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 7
-    assert set(manifest["files"]) == {"model/weights.pt", "trainer_state.pt"}
+    assert set(manifest["files"]) == {
+        "model/weights.pt", "trainer_state.json", "trainer_state.safetensors",
+    }  # fmt: skip
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000007"
     state = CheckpointManager.load(path)
     assert state["step"] == 7 and state["pos"] == 70 and "rng" in state
-    assert torch.equal(torch.load(path / "model" / "weights.pt")["w"], torch.ones(3))
+    assert torch.equal(
+        torch.load(path / "model" / "weights.pt", weights_only=True)["w"], torch.ones(3)
+    )
     assert mgr.latest() == path
 
 
@@ -103,7 +109,7 @@ def test_leftover_tmp_dirs_cleaned_and_ignored(tmp_path):
     _save(mgr, 1)
     debris = mgr.dir / ".tmp-step-00000002"
     (debris / "model").mkdir(parents=True)
-    (debris / "trainer_state.pt").write_bytes(b"partial")
+    (debris / "trainer_state.json").write_bytes(b"partial")
     assert mgr.latest().name == "step-00000001"  # ignored even before cleaning
     CheckpointManager(tmp_path)
     assert not debris.exists()
@@ -142,7 +148,9 @@ def test_resave_same_step_replaces(tmp_path):
     mgr = CheckpointManager(tmp_path)
     _save(mgr, 5, value=1.0)
     path = _save(mgr, 5, value=2.0)
-    assert torch.equal(torch.load(path / "model" / "weights.pt")["w"], torch.full((3,), 2.0))
+    assert torch.equal(
+        torch.load(path / "model" / "weights.pt", weights_only=True)["w"], torch.full((3,), 2.0)
+    )
     assert not list(mgr.dir.glob(".tmp-*"))
 
 

@@ -78,7 +78,7 @@ def test_missing_config_file(capsys, tmp_path):
 def test_missing_model_path(capsys, config_file, tmp_path):
     missing = tmp_path / "no_such_model"
     status, _, err = run_cli(capsys, "train", config_file, f"model.name_or_path={missing}")
-    assert_one_clear_error(status, err, str(missing), "not a directory")
+    assert_one_clear_error(status, err, str(missing), "does not exist")
     assert err.count("\n") == 1
 
 

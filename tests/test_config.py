@@ -312,3 +312,26 @@ def test_empty_yaml_file_is_an_empty_mapping(tmp_path):
         load_config(path)
     cfg = load_config(path, ["model.name_or_path=tiny", "task.name=math"])
     assert cfg.task.name == "math"
+
+
+def test_run_config_files_keep_what_the_user_set_apart_from_what_was_filled(tmp_path):
+    from grouprl.config import save_run_config, user_settings
+
+    raw = {**minimal(), "algorithm": {"preset": "dapo", "eps_high": 0.3},
+           "run": {"resume": True, "output_dir": str(tmp_path)}, "train": {"betas": (0.8, 0.9)}}  # fmt: skip
+    cfg = validate(raw)
+    cfg.train.lr = 0.5  # changed on the object after validation: also the user's
+    assert user_settings(cfg) == {
+        **minimal(), "algorithm": {"preset": "dapo", "eps_high": 0.3},
+        "run": {"resume": True, "output_dir": str(tmp_path)}, "train": {"betas": [0.8, 0.9], "lr": 0.5},
+    }  # fmt: skip
+    save_run_config(cfg, tmp_path)
+    mine = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "resume" not in mine["run"]  # per-invocation flags are not settings of the run
+    assert mine["algorithm"] == {"preset": "dapo", "eps_high": 0.3}
+    resolved = yaml.safe_load((tmp_path / "config.resolved.yaml").read_text())
+    assert resolved["algorithm"]["dynamic_sampling"] == "zero_variance"
+    again = load_config(tmp_path / "config.yaml", ["run.resume=true"])
+    assert again == cfg
+    other = load_config(tmp_path / "config.yaml", ["algorithm.preset=grpo"])
+    assert other.algorithm.dynamic_sampling == "off" and other.algorithm.eps_high == 0.3

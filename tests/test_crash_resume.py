@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import grouprl.checkpoint as checkpoint_mod
 import grouprl.train as train_mod
 from grouprl.checkpoint import CheckpointManager, checksum_problem
 from grouprl.config import apply_overrides, validate
@@ -36,7 +37,7 @@ KILL_POINTS = [
     ("update", train_mod, "update", "before"),
     ("optimizer step", torch.optim.AdamW, "step", "after"),
     ("model write", CausalLMPolicy, "save_pretrained", "after"),
-    ("trainer state write", torch, "save", "after"),
+    ("trainer state write", checkpoint_mod, "write_state", "after"),
     ("latest pointer", CheckpointManager, "_write_pointer", "before"),
     ("prune", CheckpointManager, "_prune", "before"),
     ("metrics line", RunLogger, "log", "after"),
@@ -176,8 +177,9 @@ def _flip_byte(path, offset=-20):
 DAMAGE = {
     "truncated model": lambda c: os.truncate(c / "model" / "model.safetensors", 100),
     "flipped byte in the model": lambda c: _flip_byte(c / "model" / "model.safetensors"),
-    "flipped byte in the trainer state": lambda c: _flip_byte(c / "trainer_state.pt", 200),
-    "deleted trainer state": lambda c: (c / "trainer_state.pt").unlink(),
+    "flipped byte in the trainer state": lambda c: _flip_byte(c / "trainer_state.safetensors", 200),
+    "flipped byte in the trainer state's JSON": lambda c: _flip_byte(c / "trainer_state.json", 30),
+    "deleted trainer state": lambda c: (c / "trainer_state.json").unlink(),
     "garbled manifest": lambda c: (c / "manifest.json").write_text("{"),
 }
 
@@ -208,7 +210,7 @@ def test_every_kept_checkpoint_damaged_means_no_checkpoint(tmp_path, reference_d
     shutil.copytree(reference_dir, tmp_path / "run")
     ckpt_dir = tmp_path / "run" / "checkpoints"
     _flip_byte(ckpt_dir / "step-00000008" / "model" / "model.safetensors")
-    (ckpt_dir / "step-00000007" / "trainer_state.pt").unlink()
+    (ckpt_dir / "step-00000007" / "trainer_state.safetensors").unlink()
     mgr = CheckpointManager(tmp_path / "run")
     with pytest.warns(UserWarning) as record:
         assert mgr.latest(verify=True) is None
@@ -237,7 +239,9 @@ def test_manifest_lists_a_sha256_per_file(tmp_path):
     ckpt = _save(mgr, 1, b"abc")
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["format"] == 2
-    assert set(manifest["sha256"]) == set(manifest["files"]) == {"model/w.bin", "trainer_state.pt"}
+    assert set(manifest["sha256"]) == set(manifest["files"]) == {
+        "model/w.bin", "trainer_state.json", "trainer_state.safetensors",
+    }  # fmt: skip
     assert manifest["sha256"]["model/w.bin"] == hashlib.sha256(b"abc").hexdigest()
     assert checksum_problem(ckpt) is None
     (ckpt / "model" / "w.bin").write_bytes(b"abd")  # same size: only the checksum sees it

@@ -335,8 +335,7 @@ def test_fsdp2_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_mod
     two_dir = tmp_path / "two" / "r"
     w1 = _weights(CheckpointManager(Path(one["run_dir"])).latest())
     assert _max_diff(w1, _weights(CheckpointManager(two_dir).latest())) < 5e-5
-    state = torch.load(two_dir / "checkpoints" / "step-00000002" / "trainer_state.pt",
-                       weights_only=False)  # fmt: skip
+    state = CheckpointManager.load(two_dir / "checkpoints" / "step-00000002")
     assert sorted(state["optimizer"]["state"])[:2] == [0, 1]  # torch's layout, whole
     shutil.rmtree(two_dir / "checkpoints" / "step-00000003")
     raw = _raw(tmp_path / "two", tiny_model_dir, reward_file)

@@ -102,9 +102,12 @@ def test_run_writes_every_artifact(tmp_path, tiny_model_dir, reward_file, initia
     run_dir = tmp_path / "run"
     assert result["run_dir"] == str(run_dir) and result["accuracy_key"] == "accuracy"
 
-    # the fully resolved config is written and loads back to the same Config
+    # what the user set (config.yaml) and every value used (config.resolved.yaml) load back to
+    # the same Config
     assert load_config(run_dir / "config.yaml") == cfg
-    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert load_config(run_dir / "config.resolved.yaml") == cfg
+    assert "algorithm" not in yaml.safe_load((run_dir / "config.yaml").read_text())
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     assert resolved["algorithm"]["surrogate"] == "clip" and resolved["train"]["steps"] == 2
 
     rows = read_metrics(run_dir)

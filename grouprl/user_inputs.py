@@ -1,0 +1,84 @@
+"""What a run takes from the user's machine before anything is built: local model paths and the
+user's own Python modules (`module:function` rewards, `package.module:Class` models, env specs).
+
+- `check_model_path(model_cfg)`: a `model.name_or_path` that is clearly a local path (it starts
+  with /, ./, ../ or ~, or names an existing file or folder, or has more than one '/') and does not
+  exist is one error naming the field and the absolute path, for text and image models alike,
+  instead of the hub's "Repo id must be ..." that the loaders would report.
+- `user_code_on_path()`: the current working directory on `sys.path` while the run resolves and
+  runs user code, so that `rewards: [{name: myrewards:score}]` with `myrewards.py` in the working
+  directory resolves the same way under `grouprl train` (whose sys.path[0] is the console
+  script's folder), `python -m grouprl` and the Python API (`grouprl.train.train(cfg)` from a
+  script elsewhere). It is put last, so it never shadows an installed package.
+- `enable_crash_traces()`: faulthandler on, so a crash of the interpreter inside user code (a
+  reward calling into C that segfaults) prints every thread's Python stack, naming the function.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# "package.module:Class" or "file.py:Class": a user module, not a path (model.type flow)
+_MODULE_SPEC = re.compile(r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ModelPathError(FileNotFoundError):
+    """model.name_or_path is a local path that does not exist."""
+
+
+def looks_local(name_or_path: str) -> bool:
+    """True when `name_or_path` can only mean a local path (a hub id is "org/name" or "name")."""
+    return (
+        name_or_path.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+        or name_or_path in (".", "..")
+        or name_or_path.count("/") > 1
+        or Path(name_or_path).expanduser().exists()
+    )
+
+
+def check_model_path(model: Any) -> None:
+    """Raise ModelPathError for a local model path that does not exist (see the module docstring)."""
+    name = model.name_or_path
+    if _MODULE_SPEC.match(name) and not Path(name).exists():
+        return  # a user velocity module "pkg.mod:Class" / "file.py:Class": its loader reports
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ModelPathError(
+            f"model.name_or_path={name!r}: the local path {str(Path(name).expanduser().resolve())!r} "
+            "does not exist (a path starting with /, ./, ../ or ~ is never looked up on the hub; "
+            f"working directory: {os.getcwd()!r})"
+        )
+
+
+@contextmanager
+def user_code_on_path() -> Iterator[None]:
+    """The working directory on sys.path (last) for the duration; removed again if it was added."""
+    cwd = os.getcwd()
+    present = any(os.path.abspath(p or os.curdir) == cwd for p in sys.path)
+    if not present:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if not present and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def enable_crash_traces() -> bool:
+    """Turn faulthandler on (stderr, or the process's real stderr when sys.stderr has no file
+    descriptor, e.g. captured); returns True if this call turned it on."""
+    if faulthandler.is_enabled():
+        return False
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.enable(file=stream)
+            return True
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+            continue
+    return False

@@ -1,0 +1,122 @@
+"""Processes that user code starts in a reward / env worker, setsid daemons included, end with the
+worker (grouprl/process_tree.py). The end-to-end check through `grouprl train` is in
+test_run_dir.py; these call the isolation wrappers directly."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from grouprl.env_isolation import GuardedEnv
+from grouprl.process_tree import descendants, kill_tree
+from grouprl.reward_isolation import IsolatedReward
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+
+def _spawn_daemon(pid_file: Path) -> None:
+    """fork, setsid, fork again, the middle one exits: a sleeper in its own session."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            pid_file.write_text(str(os.getpid()))
+            time.sleep(300)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            return
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if x.startswith("State:"))  # fmt: skip
+    except FileNotFoundError:
+        return False
+    return "Z" not in state.split()[1]  # a zombie is dead, waiting to be reaped
+
+
+def test_an_isolated_rewards_daemon_ends_with_close(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+
+    def reward(completions, **_):
+        _spawn_daemon(pid_file)
+        return [1.0] * len(completions)
+
+    fn = IsolatedReward(reward, "spawner", timeout_s=30)
+    assert fn(["a"]) == [1.0]
+    daemon = int(pid_file.read_text())
+    assert _alive(daemon) and daemon in descendants(fn._pool[0].proc.pid)  # kept in the tree
+    fn.close()
+    assert not _alive(daemon)
+
+
+def test_a_daemon_of_a_reward_past_its_deadline_ends_with_its_worker(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+
+    def reward(completions, **_):
+        _spawn_daemon(pid_file)
+        time.sleep(60)
+
+    fn = IsolatedReward(reward, "hangs", timeout_s=1.5)
+    assert fn(["a"]) == [None]  # timed out: the worker was killed and replaced
+    assert not _alive(int(pid_file.read_text()))
+    fn.close()
+
+
+class _SpawningEnv:
+    def __init__(self, pid_file: Path) -> None:
+        self.pid_file = pid_file
+
+    def reset(self, seed=None, options=None):
+        return "start", {}
+
+    def step(self, action):
+        _spawn_daemon(self.pid_file)
+        return "obs", 0.0, False, False, {}
+
+
+def test_an_env_processs_daemon_ends_with_close(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    env = GuardedEnv(lambda: _SpawningEnv(pid_file), timeout_s=30, fail_fast=True)
+    env.reset(seed=0)
+    env.step("go")
+    daemon = int(pid_file.read_text())
+    assert _alive(daemon)
+    env.close()
+    assert not _alive(daemon)
+
+
+def test_kill_tree_kills_a_whole_tree_and_nothing_else(tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    outsider = os.fork()
+    if outsider == 0:
+        time.sleep(300)
+        os._exit(0)
+    root = os.fork()
+    if root == 0:
+        from grouprl.process_tree import become_subreaper
+
+        become_subreaper()
+        _spawn_daemon(pid_file)
+        time.sleep(300)
+        os._exit(0)
+    try:
+        for _ in range(500):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.01)
+        daemon = int(pid_file.read_text())
+        assert daemon in descendants(root)
+        kill_tree(root)
+        os.waitpid(root, 0)
+        assert not _alive(daemon) and _alive(outsider)
+    finally:
+        os.kill(outsider, 9)
+        os.waitpid(outsider, 0)
