@@ -200,7 +200,7 @@ def test_config_runs_on_its_replica_and_the_checkpoint_loads(
 
     base = replica(case.family)
     run_dir, policy = run_config(case, base, tmp_path / "out", gsm8k_file, monkeypatch)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
     dtype = DTYPES[cfg["model"]["dtype"]]
     bad = [
         name
