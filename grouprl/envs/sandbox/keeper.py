@@ -152,34 +152,40 @@ def _join_cgroup(cg: dict | None) -> None:
 # ------------------------------------------------------------------------- private directory
 def remove_tree(path: str) -> None:
     """rm -rf without recursion and without long paths: each subdirectory is first renamed to the
-    top of the tree, so a tree of any depth is removed with two open fds (see sandbox docs)."""
+    top of the tree (under a name the code cannot guess), so a tree of any depth is removed with
+    two open fds. Symlinks are removed, never followed."""
     try:
         top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return
+    hoisted = f".grouprl-rm-{os.urandom(8).hex()}-"
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        todo, n = [top], 0
+        todo: list[str | None] = [None]  # None: the top; else a hoisted name at the top
+        n = 0
         while todo:
-            fd = todo[-1]
-            pushed = False
-            for entry in list(os.scandir(fd)):
-                if entry.is_dir(follow_symlinks=False):
-                    n += 1
-                    name = f".grouprl-rm-{n}"
-                    os.rename(entry.name, name, src_dir_fd=fd, dst_dir_fd=top)
-                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
-                    todo.append(sub)
-                    pushed = True
-                    break
-                os.unlink(entry.name, dir_fd=fd)
-            if pushed:
-                continue
-            todo.pop()
-            if fd != top:
-                os.close(fd)
-        # every directory now sits at the top, empty
-        for entry in list(os.scandir(top)):
-            os.rmdir(entry.name, dir_fd=top)
+            name = todo[-1]
+            fd = top if name is None else os.open(name, flags, dir_fd=top)
+            try:
+                found = None
+                for entry in list(os.scandir(fd)):
+                    if name is None and entry.name.startswith(hoisted):
+                        continue  # already hoisted: on the stack, or emptied
+                    if entry.is_dir(follow_symlinks=False):
+                        n += 1
+                        found = f"{hoisted}{n}"
+                        os.rename(entry.name, found, src_dir_fd=fd, dst_dir_fd=top)
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if found is not None:
+                todo.append(found)
+            else:
+                todo.pop()
+        for i in range(1, n + 1):  # every directory now sits at the top, empty
+            os.rmdir(f"{hoisted}{i}", dir_fd=top)
     finally:
         os.close(top)
     os.rmdir(path)
