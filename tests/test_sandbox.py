@@ -23,6 +23,17 @@ from grouprl.envs.sandbox.keeper import remove_tree
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def light_import_prelude(repo: str) -> str:
+    """Python source that makes `grouprl.envs.sandbox` importable in a fresh interpreter without
+    running grouprl/__init__ and grouprl/envs/__init__ (they import torch: seconds per process)."""
+    return (
+        "import sys, types\n"
+        f"for _name, _path in (('grouprl', {repo + '/grouprl'!r}), "
+        f"('grouprl.envs', {repo + '/grouprl/envs'!r})):\n"
+        "    _m = types.ModuleType(_name); _m.__path__ = [_path]; sys.modules[_name] = _m\n"
+    )
+
+
 def _works(mode: str) -> bool:
     try:
         return run_python("print(1)", isolation=mode).stdout == "1\n"
@@ -270,7 +281,7 @@ _KILL_PARENT = {
 @pytest.mark.parametrize("case", sorted(_KILL_PARENT))
 def test_killing_the_parent_fails(mode, case, work_dirs):
     # the parent here is an intermediate process, so a failure cannot take pytest down with it
-    script = textwrap.dedent(f"""
+    script = light_import_prelude(REPO) + textwrap.dedent(f"""
         from grouprl.envs.sandbox import run_python
         r = run_python({_KILL_PARENT[case]!r}, isolation={mode!r})
         print("survived", r.reason)
@@ -297,7 +308,7 @@ def test_lone_surrogates_and_invalid_bytes_come_back_as_valid_text(mode, work_di
 DEEP_TREE = """
 import os
 import signal
-for _ in range(3000):
+for _ in range(1200):  # deeper than the recursion limit of a recursive rm
     os.mkdir("d")
     os.chdir("d")
 open("leaf", "w").write("x")
@@ -315,7 +326,7 @@ def test_remove_tree_handles_depth_and_long_paths(tmp_path):
     top = tmp_path / "top"
     top.mkdir()
     fd = os.open(top, os.O_RDONLY)
-    for _ in range(3000):  # 3000 levels: deeper than the recursion limit, longer than PATH_MAX
+    for _ in range(1200):  # deeper than the recursion limit (a recursive rm fails)
         os.mkdir("dd", dir_fd=fd)
         new = os.open("dd", os.O_RDONLY, dir_fd=fd)
         os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=new))
@@ -355,7 +366,7 @@ def test_setsid_grandchildren_of_trusted_code_die(work_dirs):
 def test_cgroups_of_dead_owners_are_reaped_at_the_next_call():
     """Trainer and keeper both SIGKILLed: the cgroup stays; the next call anywhere removes it."""
     trainer = subprocess.Popen(
-        [sys.executable, "-c", "from grouprl.envs.sandbox import run_python\n"
+        [sys.executable, "-c", light_import_prelude(REPO) + "from grouprl.envs.sandbox import run_python\n"
          "run_python('import time; time.sleep(60)', timeout_s=60)"],
         env={**os.environ, "PYTHONPATH": REPO},
     )  # fmt: skip

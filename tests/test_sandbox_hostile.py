@@ -28,6 +28,16 @@ from grouprl.envs.sandbox.run import BASE_TASKS, EXTRA_TASKS, OVERHEAD_MB
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def light_import_prelude(repo: str) -> str:
+    """Source that imports grouprl.envs.sandbox without grouprl's package __init__s (torch)."""
+    return (
+        "import sys, types\n"
+        f"for _name, _path in (('grouprl', {repo + '/grouprl'!r}), "
+        f"('grouprl.envs', {repo + '/grouprl/envs'!r})):\n"
+        "    _m = types.ModuleType(_name); _m.__path__ = [_path]; sys.modules[_name] = _m\n"
+    )
+
+
 def _mode_param(mode: str):
     try:
         r = run_python("print(1)", isolation=mode)
@@ -365,7 +375,9 @@ def test_a_sigkilled_trainer_leaves_nothing(mode):
     marker = f"grouprl-orphan-{secrets.token_hex(6)}"
     code = DAEMON.format(marker=marker, linger=60)
     env = {**os.environ, "PYTHONPATH": REPO, "HOSTILE_CODE": code}  # not in any cmdline
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mode], env=env)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", light_import_prelude(REPO) + TRAINER, mode], env=env
+    )
     deadline = time.monotonic() + 30
     while not _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
