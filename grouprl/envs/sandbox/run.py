@@ -287,6 +287,6 @@ def _signal_group(pid: int) -> None:
 def _reason(rc: int, timed_out: bool, oom_kills: int, stderr: bytes) -> Reason:
     if timed_out or rc == -signal.SIGXCPU:
         return "timeout"
-    if rc == MEMORY_EXIT or (rc < 0 and (oom_kills or b"MemoryError" in stderr)):
+    if rc == MEMORY_EXIT or (rc != 0 and oom_kills) or (rc < 0 and b"MemoryError" in stderr):
         return "memory"
     return "killed" if rc < 0 else ("error" if rc else "ok")
