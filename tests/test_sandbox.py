@@ -392,6 +392,36 @@ def test_cgroups_of_dead_owners_are_reaped_at_the_next_call():
     assert _own_cgroups(trainer.pid) == []  # ...and reaped by the next call
 
 
+TAMPER = """
+import __main__, builtins, os, socket, sys
+for name in list(vars(__main__)):  # the runner's module: every global the hook might read
+    if not name.startswith("__"):
+        setattr(__main__, name, frozenset() if name.isupper() or name.startswith("_") else None)
+builtins.isinstance = lambda *a: False
+builtins.PermissionError = KeyError
+def tried(fn):
+    try:
+        fn()
+        return "allowed"
+    except BaseException as e:
+        return type(e).__name__
+def fork():
+    if os.fork() == 0:
+        os._exit(0)
+    os.wait()
+def reimport():
+    sys.modules.pop("_posixsubprocess", None)
+    return __import__("_posixsubprocess").fork_exec(*[None] * 23)
+print(tried(fork), tried(lambda: socket.socket()), tried(reimport))
+"""
+
+
+def test_audit_hooks_survive_rebinding_every_global():
+    """The hook reads nothing the code can rebind (trusted mode: the hooks are all there is)."""
+    r = run_python(TAMPER, isolation="trusted")
+    assert r.stdout.split() == ["PermissionError", "PermissionError", "ImportError"], r
+
+
 # -------------------------------------------------------------------------------- seccomp
 def _bpf(program: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> int:
     """A classic-BPF interpreter for the instructions the filter uses (hand-written oracle)."""
