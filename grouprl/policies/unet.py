@@ -39,6 +39,23 @@ DDPO_SCHEDULER = {
 }  # the SD 1.x DDIM config (StableDiffusionPipeline forces steps_offset 1)
 
 
+def ddim_config(pipeline_scheduler: dict) -> dict:
+    """The DDIM config DDPO samples with: `DDIMScheduler.from_config(pipeline.scheduler.config)`
+    (SD 1.5 ships PNDM: its betas, num_train_timesteps, steps_offset and timestep_spacing carry
+    over), with clip_sample off (the DDIM step here never clips x0, module docstring)."""
+    from diffusers import DDIMScheduler
+
+    cfg = {k: v for k, v in dict(DDIMScheduler.from_config(pipeline_scheduler).config).items()
+           if not k.startswith("_")}  # fmt: skip
+    if cfg.get("prediction_type", "epsilon") != "epsilon":
+        raise ValueError(
+            f"the UNet's scheduler has prediction_type={cfg['prediction_type']!r}; the DDIM policy "
+            "takes epsilon-prediction UNets (SD 1.x)"
+        )
+    cfg["clip_sample"] = False
+    return cfg
+
+
 class UNetPolicy(FlowPolicy):
     """DDIM policy over a UNet2DConditionModel (module docstring); FlowPolicy's keywords apply, with
     sampler "ddim", noise_level = DDIM eta (default 1.0, DDPO), and scheduler_config a DDIMScheduler
@@ -106,7 +123,12 @@ class UNetPolicy(FlowPolicy):
             "predicts epsilon: use FlowPolicy with a flow transformer"
         )
 
-    def _save_scheduler(self, directory: Path) -> None:
+    def _save_scheduler(self, directory: Path) -> set[str]:
+        """A pipeline's own scheduler (SD 1.5: PNDM) comes with the pipeline folder; without one,
+        the DDIM config sampled with."""
+        if self.pipeline_source is not None and self.lora is None:
+            return set()
         from diffusers import DDIMScheduler
 
         DDIMScheduler.from_config(self.scheduler_config).save_config(directory / "scheduler")
+        return {"scheduler"}
