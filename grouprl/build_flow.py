@@ -167,8 +167,10 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         )  # fmt: skip
         if m.type == "unet":
             if d.shift is not None:
-                raise ValueError("diffusion.shift is a flow-matching setting; model.type unet "
-                                 "samples with its pipeline's DDPM betas (remove diffusion.shift)")
+                raise ValueError(
+                    "diffusion.shift is a flow-matching setting; model.type unet "
+                    "samples with its pipeline's DDPM betas (remove diffusion.shift)"
+                )
             policy = UNetPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=ddim_config(sched), pipeline_source=source,
                                 **common)  # fmt: skip

@@ -32,6 +32,7 @@ from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
+from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.rollouts import episodes, image_loss, images
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
@@ -41,7 +42,6 @@ from grouprl.rollouts.images import is_images
 from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
 from grouprl.run_state import claim_run_dir, resume_from, save_checkpoint
-from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.types import Rollout
 
 
@@ -117,7 +117,12 @@ def max_completion_len(cfg: Config) -> int:
 
 
 def update(
-    cfg: Config, policy, optimizer, scheduler, rollout: Rollout, dist: Dist = SINGLE,
+    cfg: Config,
+    policy,
+    optimizer,
+    scheduler,
+    rollout: Rollout,
+    dist: Dist = SINGLE,
     scaler: LossScaler | None = None,
 ) -> dict[str, float]:
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts.

@@ -130,8 +130,14 @@ def pipeline_cfg(out_dir, path, model_type, preset, *overrides):
 def test_sd3_pipeline_lora_train_step(tmp_path, sd3_dir):
     """flow_grpo's LoRA (r 32) on the SD3 transformer's attention, mean-space KL to the adapter-off
     reference; the checkpoint holds the diffusers LoRA file."""
-    cfg = pipeline_cfg(tmp_path, sd3_dir, "flow", "flow_grpo", "diffusion.guidance_scale=2.0",
-                       "algorithm.minibatches=1")  # one update: the logged KL is the first's
+    cfg = pipeline_cfg(
+        tmp_path,
+        sd3_dir,
+        "flow",
+        "flow_grpo",
+        "diffusion.guidance_scale=2.0",
+        "algorithm.minibatches=1",
+    )  # one update: the logged KL is the first's
     assert cfg.model.lora.r == 32 and cfg.algorithm.kl_coef == 0.04
     train(cfg)
     (row,) = metrics(tmp_path / "run")

@@ -12,7 +12,6 @@ folder DiffusionPipeline loads and grouprl restarts from; a LoRA save loads with
 import json
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -141,7 +140,9 @@ def test_flux_sigmas_use_dynamic_shifting_from_the_image_size(tmp_path, pipeline
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
     pol = _policy(tmp_path, pipelines, "flux")
-    sched = FlowMatchEulerDiscreteScheduler.from_pretrained(pipelines["flux"], subfolder="scheduler")
+    sched = FlowMatchEulerDiscreteScheduler.from_pretrained(
+        pipelines["flux"], subfolder="scheduler"
+    )
     c, h, w = pol.latent_shape
     seq = (h // 2) * (w // 2)  # FluxPipeline's image_seq_len: packed 2x2 latent tokens
     mu = calculate_shift(seq, sched.config.base_image_seq_len, sched.config.max_image_seq_len,
@@ -229,6 +230,17 @@ def test_low_precision_trains_float32_weights_and_samples(tmp_path, pipelines, f
     assert states and all(t.dtype == torch.float32 for t in states)
 
 
+def test_wan_bf16_samples_although_diffusers_keeps_some_modules_float32(tmp_path, pipelines):
+    """Old code: "Input type (float) and bias type (c10::BFloat16)" before step 0: the latents were
+    cast to the dtype of the first parameter, Wan's float32 scale_shift_table."""
+    pol = _policy(tmp_path, pipelines, "wan", "model.dtype=bfloat16")
+    assert pol.model.scale_shift_table.dtype == torch.float32  # _keep_in_fp32_modules
+    assert pol.model.patch_embedding.weight.dtype == torch.bfloat16
+    r = pol.sample(["a red square"], 2, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(r.old_logp).all()
+    assert pol.decode(r.actions.latents[:, -1]).shape[:3] == (2, 3, 5)  # [N, 3, F, H, W]
+
+
 def test_fp16_sd3_lora_config_trains_three_steps_and_saves(tmp_path, pipelines):
     """The shipped sd3_flow_grpo.yaml setting (float16, LoRA, AdamW): old code went NaN at step 2 and
     then refused to save (fp16 adapter weights; AdamW's eps 1e-8 is 0 in float16)."""
@@ -313,3 +325,111 @@ def test_gradient_checkpointing_lowers_peak_memory():
                              check=True, timeout=300)  # fmt: skip
         peaks[mode] = int(out.stdout.split()[-1])
     assert peaks["on"] < 0.7 * peaks["off"], peaks  # measured: 124 MB vs 222 MB
+
+
+# ---- what a run saves ----------------------------------------------------------------------------
+
+
+def _checkpoint_model(run_dir):
+    from grouprl.checkpoint import CheckpointManager
+
+    return CheckpointManager(run_dir).latest() / "model"
+
+
+@pytest.mark.parametrize("family", ["sd3", "sd15"])
+def test_full_finetune_saves_a_pipeline_folder_that_diffusers_and_grouprl_load(
+    tmp_path, pipelines, family
+):
+    """Old code: only transformer/ (or unet/) and scheduler/: no model_index.json, so neither
+    DiffusionPipeline.from_pretrained nor a new grouprl run could start from it."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from grouprl.train import train
+
+    cfg = _cfg(tmp_path, pipelines[family], family, "model.lora=null", "algorithm.kl_coef=0")
+    assert cfg.model.lora is None
+    train(cfg)
+    folder = _checkpoint_model(tmp_path / "run")
+    sub = "unet" if family == "sd15" else "transformer"
+    assert (folder / "model_index.json").is_file()
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    original = DiffusionPipeline.from_pretrained(pipelines[family])
+    assert type(pipe) is type(original) and type(pipe.scheduler) is type(original.scheduler)
+    trained = load_file(folder / sub / "diffusion_pytorch_model.safetensors")
+    loaded = getattr(pipe, sub).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    start = getattr(original, sub).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in trained.items())  # it did train
+    # a new grouprl run starts from the saved folder, with the trained weights
+    again = _policy(tmp_path / "again", {family: folder}, family, "model.lora=null")
+    state = again.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in trained.items())
+
+
+def test_lora_save_loads_with_load_lora_weights(tmp_path, pipelines):
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    from grouprl.train import train
+
+    cfg = _cfg(tmp_path, pipelines["sd3"], "sd3", "algorithm.kl_coef=0")
+    assert cfg.model.lora is not None
+    train(cfg)
+    folder = _checkpoint_model(tmp_path / "run")
+    saved = load_file(folder / "pytorch_lora_weights.safetensors")
+    pipe = DiffusionPipeline.from_pretrained(pipelines["sd3"])
+    pipe.load_lora_weights(folder)
+    state = pipe.transformer.state_dict()
+    lora_b = {k: v for k, v in state.items() if "lora_B" in k}
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b.values())
+    # every saved tensor is in the pipeline's adapter under the peft name
+    names = {k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.")
+             .replace(".lora_B.", ".lora_B.default_0.") for k in saved}  # fmt: skip
+    assert names <= set(state)
+    for k, v in saved.items():
+        name = k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default_0.")
+        name = name.replace(".lora_B.", ".lora_B.default_0.")
+        assert torch.equal(state[name], v)
+
+
+# ---- Flow-GRPO's two optimizer steps per sampling round --------------------------------------------
+
+
+def test_flow_grpo_second_optimizer_step_has_a_ratio_away_from_one(tmp_path, monkeypatch):
+    """Old code: one optimizer step per round (the preset), so every ratio was exactly 1 and the clip
+    never acted. Flow-GRPO's configs take two (gradient_accumulation_steps = batches // 2)."""
+    from grouprl.rollouts import image_loss
+    from grouprl.train import train
+
+    seen = []
+    real = image_loss.total_loss
+
+    def spy(out, **kw):
+        res = real(out, **kw)
+        ratio = torch.exp(out.logp.detach() - kw["old_logp"])[kw["mask"]]
+        seen.append((float((ratio - 1).abs().max()), res.metrics))
+        return res
+
+    monkeypatch.setattr(image_loss, "total_loss", spy)
+    raw = {
+        "run": {"name": "run", "output_dir": str(tmp_path), "seed": 0, "device": "cpu",
+                "console": False},
+        "model": {"type": "flow", "name_or_path": "grouprl.demos.velocity:ShapesVelocityNet",
+                  "module_options": {"channels": [8, 16], "emb_dim": 16, "groups": 4},
+                  "condition": "class_label", "null_label": 12, "lora": None},
+        "task": {"name": "image_prompts", "options": {"source": "shapes", "n_eval": 2}},
+        "rollout": {"prompts_per_step": 2, "group_size": 4},
+        "algorithm": {"preset": "flow_grpo"},
+        "diffusion": {"height": 8, "width": 8, "rollout_steps": 3, "eval_steps": 3,
+                      "guidance_scale": 1.0},
+        "train": {"steps": 1, "lr": 1e-3},
+    }  # fmt: skip
+    cfg = validate(apply_overrides(raw, []))
+    assert (cfg.algorithm.epochs, cfg.algorithm.minibatches) == (1, 2)
+    train(cfg)
+    assert len(seen) == 2  # two optimizer steps, one micro-batch each
+    (first, _), (second, metrics) = seen
+    assert first == 0.0  # the first step scores the sampling weights: ratio exactly 1
+    assert second > cfg.algorithm.eps_high  # after one update: beyond the clip range
+    assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0  # the clip acts
