@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -165,8 +166,12 @@ class CausalLMPolicy:
         seeded = {}  # engines that take no seeds never see the key
         if seed is not None:
             seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
-        with compute(self.compute_dtype, self.device_of_model()):  # local engines: this model
-            out = (engine or self.engine).generate(prompt_ids, params, greedy=greedy, **seeded)
+        engine = engine or self.engine
+        # a local engine runs this model here: in the compute dtype; vLLM keeps its own dtype
+        local = isinstance(engine, tuple(LOCAL_ENGINES.values()))
+        ctx = compute(self.compute_dtype, self.device_of_model()) if local else nullcontext()
+        with ctx:
+            out = engine.generate(prompt_ids, params, greedy=greedy, **seeded)
         pad = self.tokenizer.pad_token_id
         p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
         p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")

@@ -9,7 +9,8 @@ Public API (everything a loop or a user touches):
              prompt_encoder=None, lora=None, sampler="flow_sde", noise_level=0.7,
              rollout_steps=10, eval_steps=40, guidance_scale=1.0, embedded_guidance=3.5,
              train_cfg="same", steps=None, initial_noise="independent", kl_form="flow_grpo",
-             pixel_range="zero_one", sigma_spacing=None)
+             pixel_range="zero_one", sigma_spacing=None, compute_dtype=None,
+             gradient_checkpointing=False, pipeline_source=None)
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
@@ -33,6 +34,12 @@ Choices and deviations:
 - train_cfg "same" recomputes the guided prediction with the rollout's per-sample guidance scale;
   "none" uses the conditional branch only (Flow-GRPO's no-CFG training). With "none" and a rollout
   guidance > 1 the stored old_logp is not the trained policy's: recompute it (rollout.old_logp).
+- Precision (policies/precision.py): compute_dtype (None: the dtype most of the model's weights are
+  stored in) is the autocast dtype of every denoiser and VAE call, and the dtype inputs are cast to;
+  the trainable weights (full model or LoRA adapters) are float32 master weights whatever it is.
+- gradient_checkpointing turns on diffusers' own block checkpointing of the denoiser (an error for
+  a model without it). pipeline_source: the pipeline folder / hub id the model came from; a full
+  model is then saved as a complete pipeline folder (flow_pipeline_folder.py).
 - The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
   "old" weights of DiffusionNFT / AWM: flow_weights.py. Sampling: flow_sampling.py; the schedule,
   one step and the KL variance: flow_step_rules.py; forward noising: flow_noising.py.

@@ -1,8 +1,12 @@
 """Sigma schedules, per-sample step selection and initial noise for flow-matching policies.
 
-Sigmas (diffusers convention, x_sigma = (1 - sigma) x0 + sigma eps, decreasing, last = 0) come from a
-`FlowMatchEulerDiscreteScheduler` built from its config, so shift / dynamic shifting / Karras options
-behave exactly as in the diffusers pipelines. Rollouts use fewer steps than evaluation ("denoising
+Sigmas (diffusers convention, x_sigma = (1 - sigma) x0 + sigma eps, decreasing, last = 0) come from the
+model's own scheduler class built from its config (`_class_name`: FlowMatchEulerDiscreteScheduler, or
+UniPC / DPM-Solver multistep in flow mode as Wan ships them), so shift, flow_shift, dynamic shifting
+and Karras options behave exactly as in the diffusers pipelines. The policy then takes its own
+stochastic step between those sigmas (not UniPC's multistep update: a deviation for Wan, whose
+pipeline solves the same schedule with UniPC). `override_shift` applies an explicit shift and says
+what it replaced (with dynamic shifting: the dynamic shifting itself). Rollouts use fewer steps than evaluation ("denoising
 reduction", Flow-GRPO arXiv 2505.05470: 10 vs 40): both come from the same function with a different K.
 
 Step selection (a registry, `STEP_SELECTIONS`) decides per sample which of the K steps are stochastic

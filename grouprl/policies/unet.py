@@ -3,8 +3,10 @@ steps of eta > 0, each step an action with a Gaussian log-prob (DDPO, arXiv 2305
 
 Same interface as FlowPolicy (sample / log_probs / reference / kl / decode / LoRA / save), which it
 extends with a DDIM schedule and step; only the step math differs:
-- schedule: a `DDIMScheduler` built from its config (`set_timesteps(K)`: leading / trailing /
-  linspace spacing and steps_offset as in the pipeline); slot k holds the timestep t_k and
+- schedule: a `DDIMScheduler` built from the pipeline's own scheduler config (`ddim_config`: SD 1.5's
+  PNDM config, as DDPO's `DDIMScheduler.from_config(pipeline.scheduler.config)`), then
+  `set_timesteps(K)` (leading / trailing / linspace spacing and steps_offset as in the pipeline);
+  slot k holds the timestep t_k and
   alpha_bar(t_k); the last slot holds alpha_bar of t_{K-1} - T / K, or the scheduler's
   final_alpha_cumprod when that is negative (DDIMScheduler.step's rule). FlowBatch.sigmas stores
   sqrt(1 - alpha_bar), the noise share of x_t.
