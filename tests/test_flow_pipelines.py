@@ -241,15 +241,17 @@ def test_wan_bf16_samples_although_diffusers_keeps_some_modules_float32(tmp_path
     assert pol.decode(r.actions.latents[:, -1]).shape[:3] == (2, 3, 5)  # [N, 3, F, H, W]
 
 
-def test_fp16_sd3_lora_config_trains_three_steps_and_saves(tmp_path, pipelines):
-    """The shipped sd3_flow_grpo.yaml setting (float16, LoRA, AdamW): old code went NaN at step 2 and
-    then refused to save (fp16 adapter weights; AdamW's eps 1e-8 is 0 in float16)."""
+@pytest.mark.parametrize("family", ["sd3", "sd15"])
+def test_fp16_lora_config_trains_three_steps_and_saves(tmp_path, pipelines, family):
+    """The shipped sd3_flow_grpo.yaml / sd15_ddpo.yaml setting (float16, LoRA, AdamW): old code went
+    NaN at step 2 and then refused to save (fp16 adapter weights; AdamW's eps 1e-8 is 0 in
+    float16)."""
     from safetensors.torch import load_file
 
     from grouprl.checkpoint import CheckpointManager
     from grouprl.train import train
 
-    cfg = _cfg(tmp_path, pipelines["sd3"], "sd3", "model.dtype=float16", "train.steps=3",
+    cfg = _cfg(tmp_path, pipelines[family], family, "model.dtype=float16", "train.steps=3",
                "train.lr=3e-4", "diffusion.guidance_scale=2.0")  # fmt: skip
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -260,6 +262,7 @@ def test_fp16_sd3_lora_config_trains_three_steps_and_saves(tmp_path, pipelines):
         assert r["amp/loss_scale"] > 0
     ckpt = CheckpointManager(tmp_path / "run").latest()
     lora = load_file(ckpt / "model" / "pytorch_lora_weights.safetensors")
+    assert cfg.model.lora is not None
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
     state = CheckpointManager.load(ckpt)
     assert state["loss_scaler"]["enabled"] is True
