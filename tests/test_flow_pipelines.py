@@ -189,6 +189,18 @@ def test_sd15_ddim_schedule_comes_from_the_pipeline_scheduler(tmp_path, pipeline
         _policy(tmp_path, pipelines, "sd15", "diffusion.shift=2.0")
 
 
+def test_flow_sde_treats_unipcs_first_sigma_as_one():
+    """UniPC's flow sigmas start at 1 - 1e-6 (Wan); 1 - sigma there would give g = 0.7 * 1000.
+    Flow-GRPO's sigma = 1 rule (1 - sigma -> 1 - sigma_next) applies: std = a sqrt(s / (1 - sn))
+    sqrt(s - sn) = 0.7 sqrt(1 / 0.2) sqrt(0.2) = 0.7 at s = 1, sn = 0.8."""
+    from grouprl.policies.samplers import flow_sde
+
+    x, v = torch.randn(2, 4), torch.randn(2, 4)
+    for s in (1.0, 1 - 1e-6):
+        out = flow_sde(x, v, s, 0.8, noise_level=0.7, prev_sample=x)
+        torch.testing.assert_close(out.std, torch.full((2,), 0.7), rtol=1e-5, atol=0)
+
+
 def test_a_non_flow_scheduler_is_refused():
     from grouprl.policies.flow_schedule import flow_sigmas
 
