@@ -19,13 +19,17 @@ MODEL_INDEX = "model_index.json"
 
 
 def pipeline_root(source: str) -> Path:
-    """The local folder of a pipeline: the folder itself, or a hub id's cached snapshot."""
+    """The local folder of a pipeline: the folder itself, or a hub id's cached snapshot of
+    model_index.json and the component folders it names (never the repo's other files, such as
+    single-file checkpoints next to the diffusers layout)."""
     root = Path(source)
     if root.is_dir():
         return root
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
-    return Path(snapshot_download(source))
+    index = json.loads(Path(hf_hub_download(source, MODEL_INDEX)).read_text())
+    folders = [f"{k}/*" for k in index if not k.startswith("_")]
+    return Path(snapshot_download(source, allow_patterns=[MODEL_INDEX, *folders]))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
