@@ -4,12 +4,14 @@ the float32 run.
 
 Tolerance of the tracking tests (20 AdamW steps, lr 1e-3, on one fixed batch): the distance between
 the low-precision and the float32 weights, relative to how far the float32 run moved them, stays
-below 0.06 for bf16 and 0.02 for fp16 (measured: 0.017 text / 0.023 flow for bf16, 0.005 / 0.006
-for fp16; the bounds leave about 3x room for other CPUs' kernels). Why this size: the master weights are float32 in every
-run, so the only difference is the forward / backward compute, whose relative rounding is 2^-8
-(bf16) and 2^-11 (fp16) per operation; Adam divides each gradient by its running RMS, so a relative
-gradient error of a few units of rounding becomes an update error of the same relative size, and 20
-steps in nearly the same direction keep it there. Measured values are printed on failure.
+below 0.1 for bf16 and 0.02 for fp16 (measured: text 0.017 bf16 / 0.005 fp16; flow LoRA over 12
+seeds of the adapter init 0.020-0.048 bf16 / 0.002-0.007 fp16; the bounds leave about 2x room).
+Why this size: the master weights are float32 in every run, so the only difference is the
+forward / backward compute, whose relative rounding is 2^-8 (bf16) and 2^-11 (fp16) per operation;
+Adam divides each gradient by its running RMS, so a relative gradient error of a few units of
+rounding becomes an update error of the same relative size, and 20 steps in nearly the same
+direction keep it there. The text model's init is fixed; the flow test seeds the global RNG
+(adapter init) per case. Measured values are printed on failure.
 """
 
 import json
@@ -118,7 +120,7 @@ def _relative_gap(runs, start):
     return {k: float((v - runs["float32"]).norm() / moved) for k, v in runs.items()}
 
 
-TOL = {"float32": 0.0, "bfloat16": 0.06, "float16": 0.02}  # measured: 0.017-0.023, 0.005-0.006
+TOL = {"float32": 0.0, "bfloat16": 0.1, "float16": 0.02}  # measured: <= 0.048, <= 0.0073
 
 
 def test_text_bf16_and_fp16_track_float32_over_20_steps():
@@ -141,11 +143,13 @@ def test_text_bf16_and_fp16_track_float32_over_20_steps():
     assert all(gap[k] <= TOL[k] for k in gap), gap
 
 
-def test_flow_bf16_and_fp16_track_float32_over_20_steps():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flow_bf16_and_fp16_track_float32_over_20_steps(seed):
     from grouprl.policies.flow_tiny import tiny_sd3_transformer
     from grouprl.policies.flow_types import FlowCondition
 
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(seed)  # the LoRA A initialisation (gaussian)
+    g = torch.Generator().manual_seed(seed)
     cond = FlowCondition({"prompt_embeds": torch.randn(2, 6, 32, generator=g),
                           "pooled_prompt_embeds": torch.randn(2, 64, generator=g)})  # fmt: skip
     kw = {"latent_shape": (4, 8, 8), "scheduler_config": {"shift": 3.0}, "rollout_steps": 3,
