@@ -173,23 +173,37 @@ def test_flow_bf16_and_fp16_track_float32_over_20_steps(seed):
 # ---- text full fine-tuning in bf16 at a small lr -------------------------------------------------
 
 
-def test_text_bf16_full_finetune_at_lr_1e_6_changes_almost_every_weight(tmp_path, tiny_model_dir):
-    """ISSUE 14: model.dtype bfloat16 at lr 1e-6 changed 2% of the weights in 3 steps (bf16 weights
-    trained directly: w + 1e-6 rounds back to w) against 99.98% in float32."""
+def _text_cfg(tmp_path, model_dir, dtype, steps, lr):
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def alternate(completions, **_):\n"
                        "    return [float(j % 2) for j in range(len(completions))]\n")  # fmt: skip
     raw = {
         "run": {"name": "run", "output_dir": str(tmp_path), "seed": 0, "device": "cpu",
                 "console": False},
-        "model": {"name_or_path": str(tiny_model_dir), "dtype": "bfloat16"},
+        "model": {"name_or_path": str(model_dir), "dtype": dtype},
         "task": {"name": "arithmetic",
                  "options": {"n_train": 16, "n_eval": 2, "ops": "+", "max_value": 9}},
         "rewards": [{"name": f"{rewards}:alternate"}],
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
-        "train": {"steps": 3, "lr": 1e-6},
+        "train": {"steps": steps, "lr": lr},
     }  # fmt: skip
-    train(validate(apply_overrides(raw, [])))
+    return validate(apply_overrides(raw, []))
+
+
+def test_text_fp16_run_scales_the_loss_and_saves_the_scaler(tmp_path, tiny_model_dir):
+    train(_text_cfg(tmp_path, tiny_model_dir, "float16", 2, 1e-3))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]
+    assert [r["skipped_nonfinite"] for r in rows] == [0.0, 0.0]
+    assert all(r["amp/loss_scale"] == 2.0**16 and r["grad_norm"] > 0 for r in rows)
+    state = CheckpointManager.load(CheckpointManager(tmp_path / "run").latest())
+    assert state["loss_scaler"]["scale"] == 2.0**16
+
+
+def test_text_bf16_full_finetune_at_lr_1e_6_changes_almost_every_weight(tmp_path, tiny_model_dir):
+    """ISSUE 14: model.dtype bfloat16 at lr 1e-6 changed 2% of the weights in 3 steps (bf16 weights
+    trained directly: w + 1e-6 rounds back to w) against 99.98% in float32."""
+    train(_text_cfg(tmp_path, tiny_model_dir, "bfloat16", 3, 1e-6))
     start = load_file(tiny_model_dir / "model.safetensors")
     after = load_file(CheckpointManager(tmp_path / "run").latest() / "model" / "model.safetensors")
     total = changed = 0
