@@ -106,10 +106,17 @@ def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSamp
 
 
 def build_optimizer(cfg: Config, policy) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the policy's trainable weights, which are float32 master weights whatever
+    model.dtype is (policies/precision.py), so its moments are float32 too; and the lr schedule."""
     t = cfg.train
-    opt = torch.optim.AdamW(
-        policy.trainable_parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
-    )
+    params = policy.trainable_parameters()
+    low = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+    if low:
+        raise ValueError(
+            f"trainable weights in {low}: the optimizer needs float32 master weights "
+            "(model.dtype sets the compute dtype only; policies/precision.master_weights)"
+        )
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     a = cfg.algorithm
     total = t.steps * a.epochs * a.minibatches  # optimizer updates in the run
     shape = LR_SCHEDULES[t.lr_schedule]

@@ -2,14 +2,18 @@
 
 model.type "flow":
 - a diffusers pipeline folder or hub id (SD3, FLUX, Wan): the denoiser named in model_index.json
-  ("transformer"), its VAE, its scheduler config (diffusion.shift overrides the shift) and a
+  ("transformer"), its VAE, its scheduler config as shipped (SD3 FlowMatchEuler shift 3, FLUX's
+  dynamic shifting from the image size, Wan's UniPC flow_shift; an explicit diffusion.shift
+  replaces the shift, turns dynamic shifting off, and says so in a warning) and a
   PromptEncoder over the pipeline's own text encoders (each prompt encoded once, cached);
 - a user velocity module "package.module:Class" / "file.py:Class" (called `model(x, sigma, **cond)`,
   see policies/flow_models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
   into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
   conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
 model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
-sampled with DDIM (eta = diffusion.eta; the DDPO scheduler config).
+sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler config (SD 1.5's
+PNDM betas and steps_offset), as DDPO does.
+model.dtype is the compute dtype (policies/precision.py): trainable weights stay float32.
 
 Choices: full fine-tuning keeps a frozen reference copy only when a KL is on, made here before any
 checkpoint is loaded (so a resumed run keeps the initial model as its reference); LoRA settings
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +97,7 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
         )
     sched_cls = getattr(diffusers, spec["scheduler"][1])
     sched = dict(sched_cls.load_config(m.name_or_path, subfolder="scheduler"))
+    sched["_class_name"] = spec["scheduler"][1]  # the class model_index.json names
     return net, vae, sched, spec[denoiser][1]
 
 
@@ -116,7 +122,7 @@ def _steps(d: Any) -> dict:
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:
     """FlowPolicy (model.type flow) or UNetPolicy (unet) from the config (module docstring)."""
     from grouprl.policies.flow import FlowPolicy, PromptEncoder, latent_shape_for
-    from grouprl.policies.unet import DDPO_SCHEDULER, UNetPolicy
+    from grouprl.policies.unet import UNetPolicy, ddim_config
 
     m, d = cfg.model, cfg.diffusion
     sampler = "flow_sde" if d.sampler == "ode" else d.sampler
@@ -130,6 +136,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         rollout_steps=d.rollout_steps, eval_steps=d.eval_steps, guidance_scale=d.guidance_scale,
         train_cfg=d.train_guidance, steps=_steps(d), pixel_range=m.pixel_range,
         initial_noise="shared" if d.shared_noise == "group" else "independent",
+        compute_dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
     )  # fmt: skip
     if m.type == "flow" and is_module_spec(m.name_or_path):
         if d.num_frames != 1:
@@ -138,13 +145,14 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         if next(iter(net.parameters())).dtype != dtype:
             net = net.to(dtype)
         channels = getattr(getattr(net, "config", None), "in_channels", 3)
-        sched = {} if d.shift is None else {"shift": d.shift}
+        sched = {} if d.shift is None else _override_shift({}, d.shift)
         policy = FlowPolicy(net, latent_shape=(channels, d.height, d.width), family="module",
                             scheduler_config=sched, **common)  # fmt: skip
     else:
         net, vae, sched, cls_name = _pipeline_parts(
             m, "unet" if m.type == "unet" else "transformer"
         )
+        source = m.name_or_path  # full fine-tunes save a whole pipeline folder from it
         video = cls_name == "WanTransformer3DModel"
         if d.num_frames != 1 and not video:
             raise ValueError(
@@ -158,13 +166,20 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
             max_sequence_length=m.max_sequence_length,
         )  # fmt: skip
         if m.type == "unet":
+            if d.shift is not None:
+                raise ValueError(
+                    "diffusion.shift is a flow-matching setting; model.type unet "
+                    "samples with its pipeline's DDPM betas (remove diffusion.shift)"
+                )
             policy = UNetPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
-                                scheduler_config=DDPO_SCHEDULER, **common)  # fmt: skip
+                                scheduler_config=ddim_config(sched), pipeline_source=source,
+                                **common)  # fmt: skip
         else:
             if d.shift is not None:
-                sched["shift"] = d.shift
+                sched = _override_shift(sched, d.shift)
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
-                                scheduler_config=sched, **common)  # fmt: skip
+                                scheduler_config=sched, pipeline_source=source,
+                                **common)  # fmt: skip
     if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
         from dataclasses import replace
 
@@ -175,6 +190,15 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         with policy.reference():
             pass
     return policy.to(device)
+
+
+def _override_shift(sched: dict, shift: float) -> dict:
+    """diffusion.shift applied to the scheduler config; what it changed is said (a warning)."""
+    from grouprl.policies.flow_schedule import override_shift
+
+    out, note = override_shift(sched, shift)
+    warnings.warn(note, stacklevel=2)
+    return out
 
 
 def _family_name(net: Any) -> str:

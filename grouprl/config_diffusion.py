@@ -44,8 +44,10 @@ class DiffusionConfig(_Section):
     rollout_steps: int = Field(10, ge=1, description="Denoising steps of a training rollout.")
     eval_steps: int = Field(40, ge=1, description="Denoising steps of evaluation samples (ODE).")
     shift: float | None = Field(
-        None, gt=0, description="Scheduler shift of the sigma schedule (None: the model's scheduler "
-        "config, e.g. 3.0 for SD3)."
+        None, gt=0, description="Shift of the sigma schedule (None: the model's scheduler as "
+        "shipped: SD3 shift 3.0, FLUX.1-dev dynamic shifting from the image size, Wan UniPC "
+        "flow_shift 3.0). Set: replaces shift / flow_shift with a warning; on a scheduler with "
+        "dynamic shifting it turns that off. An error for model.type unet."
     )  # fmt: skip
     sigma_spacing: Literal["scheduler", "linear"] = Field(
         "scheduler",

@@ -104,10 +104,16 @@ class ModelConfig(_Section):
         "'file.py:Class').",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights dtype."
+        "float32",
+        description="Compute dtype (autocast) and the frozen weights' storage; trainable weights "
+        "and optimizer state stay float32 (master weights); float16 adds dynamic loss scaling.",
     )
     lora: LoRAConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in backward (transformers' switch for causal_lm, "
+        "diffusers' for the flow transformer / UNet; an error where the model has none).",
+    )
     logprob_chunk_size: int | None = Field(
         None, ge=1, description="Rows per LM-head chunk when scoring (None: policy default)."
     )

@@ -133,8 +133,11 @@ def claim_run_dir(cfg: Config, changes: dict[str, tuple[Any, Any]], say=print) -
     save_run_config(cfg, run_dir)
 
 
-def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after=None) -> None:
-    """Checkpoint `step`; `after` (the final evaluation) only in a finished run's last one."""
+def save_checkpoint(
+    ckpts, step, policy, optimizer, scheduler, sampler, before, after=None, scaler=None
+) -> None:
+    """Checkpoint `step`; `after` (the final evaluation) only in a finished run's last one.
+    scaler: the float16 loss scaler (policies/precision.py), saved as plain numbers."""
     state = {
         "step": step,
         "optimizer": optimizer.state_dict(),
@@ -147,6 +150,7 @@ def save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, 
         # full fine-tuning: the model folder holds the trained weights only; a flow policy's
         # old / EMA weights (DiffusionNFT, AWM: keys "old::...") are kept here
         "old_weights": None if policy.lora is not None else _old_weights(policy),
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
     }
     ckpts.save(
         step,
@@ -174,7 +178,7 @@ def _optimizer_tensors(optimizer) -> list[tuple[str, Any]]:
 
 
 def resume_from(
-    path: Path, policy, optimizer, scheduler, sampler
+    path: Path, policy, optimizer, scheduler, sampler, scaler=None
 ) -> tuple[int, dict | None, dict | None]:
     """Load checkpoint `path` into the objects; returns (step, eval before, eval after or None)."""
     state = CheckpointManager.load(path)
@@ -188,5 +192,7 @@ def resume_from(
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
+    if scaler is not None and state.get("loss_scaler") is not None:
+        scaler.load_state_dict(state["loss_scaler"])
     restore_rng(state)
     return int(state["step"]), state.get("eval_before"), state.get("eval_after")

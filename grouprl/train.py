@@ -35,6 +35,7 @@ from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
+from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.rollouts import episodes, image_loss, images
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
@@ -125,10 +126,19 @@ def max_completion_len(cfg: Config) -> int:
 
 
 def update(
-    cfg: Config, policy, optimizer, scheduler, rollout: Rollout, dist: Dist = SINGLE
+    cfg: Config,
+    policy,
+    optimizer,
+    scheduler,
+    rollout: Rollout,
+    dist: Dist = SINGLE,
+    scaler: LossScaler | None = None,
 ) -> dict[str, float]:
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts.
-    Several processes: each trains its share of every minibatch (grouprl/distributed.py)."""
+    Several processes: each trains its share of every minibatch (grouprl/distributed.py).
+    scaler: float16's dynamic loss scaling (policies/precision.py); an overflowing update is
+    skipped and halves the scale without counting as a non-finite failure."""
+    scaler = scaler if scaler is not None else LossScaler(False)
     a, temp = cfg.algorithm, cfg.rollout.temperature
     # one_step_off: old_logp was scored with the sampling weights, never the current ones
     single_pass = a.epochs == 1 and a.minibatches == 1 and cfg.train.async_mode == "off"
@@ -138,6 +148,7 @@ def update(
     norms: list[float] = []
     n_micro = n_updates = 0
     skipped = [0, 0]  # updates skipped for a non-finite [loss, gradient norm]
+    overflows = 0  # fp16 updates skipped by the loss scaler (not failures)
     policy.train()
     for _ in range(a.epochs):
         for mb, micro_batches in dist.split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
@@ -173,15 +184,20 @@ def update(
                     )  # fmt: skip
                 if not torch.isfinite(res.loss) and dist.world == 1:
                     break  # the update is skipped below (processes: all agree first)
-                dist.backward(res.loss)
+                dist.backward(scaler.scale_loss(res.loss))
                 if len(idx):
                     parts.append(res.metrics)
             finite_loss = dist.all_finite(parts, micro_batches)
             params = policy.trainable_parameters()
+            if finite_loss:
+                scaler.unscale_(params)
             norm = dist.clip_grad_norm(params, cfg.train.max_grad_norm) if finite_loss else math.nan
             if not math.isfinite(norm):  # NaN/inf loss or gradient: skip this one update
                 optimizer.zero_grad(set_to_none=True)
-                skipped[0 if not finite_loss else 1] += 1
+                if finite_loss and scaler.skip():  # fp16 overflow: a smaller scale next time
+                    overflows += 1
+                else:
+                    skipped[0 if not finite_loss else 1] += 1
                 _advance_schedule_only(scheduler)
                 continue
             for part in parts:
@@ -190,7 +206,7 @@ def update(
                     acc[k] = acc.get(k, 0.0) + v
             n_micro += len(parts)
             norms.append(norm)
-            optimizer.step()
+            scaler.step(optimizer)
             scheduler.step()
             n_updates += 1
     means, shares, n_micro = dist.sum_metrics(means, shares, n_micro)  # over all processes
@@ -200,6 +216,8 @@ def update(
     metrics["lr"] = scheduler.get_last_lr()[0]
     metrics["skipped_nonfinite"] = float(sum(skipped))  # updates skipped: [loss, gradient]
     metrics["skipped_nonfinite/loss"], metrics["skipped_nonfinite/grad"] = map(float, skipped)
+    if scaler.enabled:
+        metrics["amp/loss_scale"], metrics["amp/overflow_skipped"] = scaler.scale, float(overflows)
     return metrics
 
 
@@ -301,6 +319,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, policy)
+    scaler = loss_scaler_for(cfg.model.dtype)  # float16: dynamic loss scaling
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
@@ -312,7 +331,9 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     step, before, after, nonfinite_streak = 0, None, None, 0
     latest = ckpts.latest(verify=True) if cfg.run.resume else None  # checksums: skip damaged
     if latest is not None:
-        step, before, after = resume_from(latest, policy, optimizer, scheduler, sampler)
+        step, before, after = resume_from(
+            latest, policy, optimizer, scheduler, sampler, scaler=scaler
+        )
     push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
@@ -363,7 +384,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
                     sources = [ex[column] for ex in rollout.info["example"]]
                     sampler.update(sources, response_advantages(rollout.advantages, rollout.mask))
                     metrics.update(sampler.metrics())
-                metrics.update(update(cfg, policy, optimizer, scheduler, rollout, dist))
+                metrics.update(update(cfg, policy, optimizer, scheduler, rollout, dist, scaler))
                 dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
                 if is_images(cfg):  # DiffusionNFT's old / AWM's EMA weights follow
                     metrics.update(image_loss.after_update(cfg, policy, step))
@@ -377,13 +398,15 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
                 run_eval(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 save_checkpoint(ckpts, step, policy, optimizer, scheduler,
-                                rollouts.saved_sampler(sampler), before)  # fmt: skip
+                                rollouts.saved_sampler(sampler), before, scaler=scaler)  # fmt: skip
         rollouts.close()  # one_step_off: no batch is in flight after the last step
         # the last step's checkpoint is written once, after the final evaluation, holding its
         # result: a crash in between redoes the last step; a finished run resumed does nothing
         if after is None:
             after = run_eval(step)
-            save_checkpoint(ckpts, step, policy, optimizer, scheduler, sampler, before, after)
+            save_checkpoint(
+                ckpts, step, policy, optimizer, scheduler, sampler, before, after, scaler=scaler
+            )
         if dist.is_main:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),

@@ -57,7 +57,8 @@ def final_state(run_dir, name="transformer/" + FULL):
 
 
 def test_user_module_full_train_step(tmp_path):
-    cfg = module_cfg(tmp_path, "diffusion.guidance_scale=2.0")  # CFG through the null class
+    # CFG through the null class; one optimizer step per round (the preset takes two): on-policy
+    cfg = module_cfg(tmp_path, "diffusion.guidance_scale=2.0", "algorithm.minibatches=1")
     result = train(cfg)
     run = tmp_path / "run"
     (row,) = metrics(run)
@@ -129,7 +130,14 @@ def pipeline_cfg(out_dir, path, model_type, preset, *overrides):
 def test_sd3_pipeline_lora_train_step(tmp_path, sd3_dir):
     """flow_grpo's LoRA (r 32) on the SD3 transformer's attention, mean-space KL to the adapter-off
     reference; the checkpoint holds the diffusers LoRA file."""
-    cfg = pipeline_cfg(tmp_path, sd3_dir, "flow", "flow_grpo", "diffusion.guidance_scale=2.0")
+    cfg = pipeline_cfg(
+        tmp_path,
+        sd3_dir,
+        "flow",
+        "flow_grpo",
+        "diffusion.guidance_scale=2.0",
+        "algorithm.minibatches=1",
+    )  # one update: the logged KL is the first's
     assert cfg.model.lora.r == 32 and cfg.algorithm.kl_coef == 0.04
     train(cfg)
     (row,) = metrics(tmp_path / "run")
@@ -277,7 +285,7 @@ def test_prepare_clips_advantages_at_adv_clip_max(tmp_path):
     from grouprl.types import Rollout
 
     cfg = module_cfg(tmp_path, "algorithm.kl_coef=0", "algorithm.scale=group",
-                     "diffusion.adv_clip_max=1.0")  # fmt: skip
+                     "diffusion.adv_clip_max=1.0", "algorithm.minibatches=1")  # fmt: skip
     rollout = Rollout(
         group_ids=torch.tensor([0, 0, 0, 0]), rewards={"color_area": torch.tensor([1.0, 0, 0, 0])},
         actions=None, old_logp=torch.zeros(4, 3), mask=torch.ones(4, 3, dtype=torch.bool),

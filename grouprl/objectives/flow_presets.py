@@ -9,10 +9,13 @@ Values, from peers/diffusion.md (read from each project's code and configs) and 
   flow_grpo       SD3.5 GenEval config: flow_sde a 0.7, 10 rollout / 40 eval steps, all but the last step
                   trained, clip 1e-4, advantages clipped to +-5, beta (kl_coef) 0.04 in mean space,
                   per-prompt mean with the batch std (`global_std`), CFG 4.5 at rollout and training,
-                  group 24, LoRA r 32 alpha 64 on the attention projections, lr 3e-4.
+                  group 24, LoRA r 32 alpha 64 on the attention projections, lr 3e-4, two
+                  optimizer steps per sampling round (minibatches 2, one epoch: its configs set
+                  gradient_accumulation_steps = num_batches_per_epoch // 2).
   flow_grpo_fast  Flow-GRPO-Fast: SDE in a random window of 2 steps inside the first half (ODE elsewhere;
                   2 trained steps beat 10 in the README), clip 1e-5 (the fast configs' smaller range),
-                  beta 0 (as its configs). Group size is not set (its configs vary).
+                  beta 0 (as its configs), two optimizer steps per round as flow_grpo. Group size
+                  is not set (its configs vary).
   dance_grpo      DanceGRPO FLUX: dance_sde eta 0.3, 16 steps, shift 3, a random 60% of the first K - 1
                   steps per sample, shared initial noise per group, group 12, clip 1e-4, advantages
                   +-5, std + 1e-8 per group, no KL, no CFG (FLUX's guidance embedding is the model's).
@@ -51,9 +54,12 @@ def _lora(r: int, alpha: int, targets: tuple[str, ...]) -> MappingProxyType:
 
 
 _PPO_STEP = {"advantage": "grpo", "surrogate": "clip", "ratio_level": "token"}
+# Flow-GRPO's configs take two optimizer steps per sampling round (train.gradient_accumulation_steps
+# = sample.num_batches_per_epoch // 2, one inner epoch): the second step's ratio departs from 1
+# and the clip can act
 _FLOW_GRPO_ALGO = {
     **_PPO_STEP, "scale": "batch", "adv_eps": 1e-4, "eps_low": 1e-4, "eps_high": 1e-4,
-    "aggregation": "token_mean", "kl_coef": 0.04,
+    "aggregation": "token_mean", "kl_coef": 0.04, "epochs": 1, "minibatches": 2,
 }  # fmt: skip
 _FLOW_GRPO_DIFFUSION = {
     "diffusion.objective": "policy_gradient", "diffusion.sampler": "flow_sde",

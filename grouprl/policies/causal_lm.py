@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from grouprl.policies.logprobs import completion_logprobs
 from grouprl.policies.lora import LoRASettings, add_lora
 from grouprl.policies.lora import lora_settings as _lora_settings
 from grouprl.policies.lora import merged_state_dict as _merged_state_dict
+from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
 from grouprl.rollouts.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.rollouts.engines.fast import FastEngine
 from grouprl.rollouts.engines.hf import HFEngine
@@ -40,19 +42,27 @@ LOCAL_ENGINES: dict[str, Any] = {"hf": HFEngine, "fast": FastEngine}
 class _Scorer:
     """What `reference()` yields: `.log_probs(batch, temperature)` without gradient."""
 
-    def __init__(self, model: Any, chunk_size: int | None, path: str = "fast") -> None:
+    def __init__(
+        self,
+        model: Any,
+        chunk_size: int | None,
+        path: str = "fast",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self._model, self._chunk_size, self._path = unwrap_peft(model), chunk_size, path
+        self._dtype = compute_dtype
 
     @torch.no_grad()
     def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
-        return completion_logprobs(
-            self._model,
-            batch,
-            temperature=temperature,
-            chunk_size=self._chunk_size,
-            with_entropy=False,
-            path=self._path,
-        )[0]
+        with compute(self._dtype, batch.prompt_ids.device):
+            return completion_logprobs(
+                self._model,
+                batch,
+                temperature=temperature,
+                chunk_size=self._chunk_size,
+                with_entropy=False,
+                path=self._path,
+            )[0]
 
 
 class CausalLMPolicy:
@@ -74,6 +84,7 @@ class CausalLMPolicy:
         logprob_path: str = "fast",
         need_reference: bool = False,
         engine: TextEngine | str | None = None,
+        compute_dtype: torch.dtype | str | None = None,
     ) -> None:
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
@@ -81,8 +92,14 @@ class CausalLMPolicy:
             tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
         self.lora = _lora_settings(lora)
+        # mixed precision (policies/precision.py): compute in the dtype the model was loaded in,
+        # train float32 master weights (full fine-tuning: the whole model; LoRA: the adapters)
+        self.compute_dtype = (
+            compute_dtype_of(model) if compute_dtype is None else as_dtype(compute_dtype)
+        )
         if self.lora is not None:
             model = add_lora(model, self.lora)
+        master_weights(model)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -113,7 +130,7 @@ class CausalLMPolicy:
     ) -> CausalLMPolicy:
         """Load model + tokenizer from a hub id or a local directory; kwargs go to __init__."""
         model, tokenizer = load_causal_lm(name_or_path, dtype, trust_remote_code)
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, tokenizer, compute_dtype=dtype, **kwargs)
 
     # ---- prompts and sampling ------------------------------------------------------------------
 
@@ -149,7 +166,12 @@ class CausalLMPolicy:
         seeded = {}  # engines that take no seeds never see the key
         if seed is not None:
             seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
-        out = (engine or self.engine).generate(prompt_ids, params, greedy=greedy, **seeded)
+        engine = engine or self.engine
+        # a local engine runs this model here: in the compute dtype; vLLM keeps its own dtype
+        local = isinstance(engine, tuple(LOCAL_ENGINES.values()))
+        ctx = compute(self.compute_dtype, self.device_of_model()) if local else nullcontext()
+        with ctx:
+            out = engine.generate(prompt_ids, params, greedy=greedy, **seeded)
         pad = self.tokenizer.pad_token_id
         p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
         p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")
@@ -188,15 +210,16 @@ class CausalLMPolicy:
     ) -> PolicyOutput:
         """Differentiable logp [N, T] of the completion tokens under softmax(logits / temperature),
         entropy [N, T] (no grad unless entropy_grad); masked slots are 0."""
-        logp, entropy = completion_logprobs(
-            unwrap_peft(self.model),
-            batch,
-            temperature=temperature,
-            chunk_size=chunk_size or self.logprob_chunk_size,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            path=self.logprob_path,
-        )  # [N, T] each
+        with compute(self.compute_dtype, batch.prompt_ids.device):
+            logp, entropy = completion_logprobs(
+                unwrap_peft(self.model),
+                batch,
+                temperature=temperature,
+                chunk_size=chunk_size or self.logprob_chunk_size,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                path=self.logprob_path,
+            )  # [N, T] each
         return PolicyOutput(logp=logp, entropy=entropy)
 
     @contextlib.contextmanager
@@ -204,9 +227,17 @@ class CausalLMPolicy:
         """Scores under the frozen reference: the adapter disabled (LoRA) or a frozen copy."""
         if self.lora is not None:
             with self.model.disable_adapter():
-                yield _Scorer(self.model, self.logprob_chunk_size, self.logprob_path)
+                yield _Scorer(
+                    self.model, self.logprob_chunk_size, self.logprob_path, self.compute_dtype
+                )
         else:
-            yield _Scorer(self._reference_model(), self.logprob_chunk_size, self.logprob_path)
+            yield _Scorer(
+                self._reference_model(), self.logprob_chunk_size, self.logprob_path,
+                self.compute_dtype,
+            )  # fmt: skip
+
+    def device_of_model(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
 
     def _reference_model(self) -> Any:
         if self._ref_model is None:

@@ -9,7 +9,8 @@ Public API (everything a loop or a user touches):
              prompt_encoder=None, lora=None, sampler="flow_sde", noise_level=0.7,
              rollout_steps=10, eval_steps=40, guidance_scale=1.0, embedded_guidance=3.5,
              train_cfg="same", steps=None, initial_noise="independent", kl_form="flow_grpo",
-             pixel_range="zero_one", sigma_spacing=None)
+             pixel_range="zero_one", sigma_spacing=None, compute_dtype=None,
+             gradient_checkpointing=False, pipeline_source=None)
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
@@ -33,6 +34,12 @@ Choices and deviations:
 - train_cfg "same" recomputes the guided prediction with the rollout's per-sample guidance scale;
   "none" uses the conditional branch only (Flow-GRPO's no-CFG training). With "none" and a rollout
   guidance > 1 the stored old_logp is not the trained policy's: recompute it (rollout.old_logp).
+- Precision (policies/precision.py): compute_dtype (None: the dtype most of the model's weights are
+  stored in) is the autocast dtype of every denoiser and VAE call, and the dtype inputs are cast to;
+  the trainable weights (full model or LoRA adapters) are float32 master weights whatever it is.
+- gradient_checkpointing turns on diffusers' own block checkpointing of the denoiser (an error for
+  a model without it). pipeline_source: the pipeline folder / hub id the model came from; a full
+  model is then saved as a complete pipeline folder (flow_pipeline_folder.py).
 - The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
   "old" weights of DiffusionNFT / AWM: flow_weights.py. Sampling: flow_sampling.py; the schedule,
   one step and the KL variance: flow_step_rules.py; forward noising: flow_noising.py.
@@ -61,6 +68,7 @@ from grouprl.policies.flow_models import (
     predict,
 )
 from grouprl.policies.flow_noising import forward_noising
+from grouprl.policies.flow_pipeline_folder import complete_pipeline
 from grouprl.policies.flow_sampling import sample_groups
 from grouprl.policies.flow_schedule import (
     StepSelectionSettings,
@@ -69,7 +77,8 @@ from grouprl.policies.flow_step_rules import FlowStepRules
 from grouprl.policies.flow_steps import score_chain
 from grouprl.policies.flow_text import PromptEncoder
 from grouprl.policies.flow_types import FlowBatch, FlowCondition, check_choice
-from grouprl.policies.flow_weights import FlowWeights
+from grouprl.policies.flow_weights import FlowWeights, enable_gradient_checkpointing
+from grouprl.policies.precision import as_dtype, compute, compute_dtype_of
 from grouprl.types import PolicyOutput, Rollout
 
 TrainCFG = Literal["same", "none"]
@@ -113,8 +122,16 @@ class FlowPolicy(FlowStepRules):
         kl_form: KLForm = "flow_grpo",
         pixel_range: Literal["zero_one", "minus_one_one"] = "zero_one",
         sigma_spacing: Literal["scheduler", "linear"] | None = None,
+        compute_dtype: torch.dtype | str | None = None,
+        gradient_checkpointing: bool = False,
+        pipeline_source: str | None = None,
     ) -> None:
         self.family = family_of(model, family)
+        # the dtype it was loaded in; read before the trainable weights become float32 below
+        self.compute_dtype = (
+            compute_dtype_of(model) if compute_dtype is None else as_dtype(compute_dtype)
+        )
+        self.pipeline_source = pipeline_source
         if sampler not in self.sampler_names:
             raise ValueError(f"sampler must be one of {list(self.sampler_names)}, got {sampler!r}")
         check_choice("train_cfg", train_cfg, ("same", "none"))
@@ -129,7 +146,9 @@ class FlowPolicy(FlowStepRules):
                 f"rollout_steps and eval_steps must be >= 1, got {rollout_steps}, {eval_steps}"
             )
         self.lora = flow_lora.flow_lora_settings(lora, self.family)
-        self.weights = FlowWeights(model, self.family, self.lora)
+        self.weights = FlowWeights(model, self.family, self.lora)  # trainable: float32 masters
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.model, self.vae, self.prompt_encoder = model, vae, prompt_encoder
         self.decoder = decoder_of(vae)
         self.latent_shape = tuple(int(s) for s in latent_shape)
@@ -166,10 +185,12 @@ class FlowPolicy(FlowStepRules):
 
     def _predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
         emb = torch.full_like(gscale, self.embedded_guidance)  # [B] FLUX guidance embedding
-        return predict(
-            self.family, model, x, sigma=cols["sigmas"][:, k], timestep=cols["timesteps"][:, k],
-            cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb,
-        )  # fmt: skip  # [B, *latent] float32
+        with compute(self.compute_dtype, x.device):
+            return predict(
+                self.family, model, x, sigma=cols["sigmas"][:, k], timestep=cols["timesteps"][:, k],
+                cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb,
+                dtype=self.compute_dtype,
+            )  # fmt: skip  # [B, *latent] float32
 
     def sample(self, cond: FlowCondition | list[str], group_size: int, **options: Any) -> Rollout:
         """group_size trajectories per condition row (consecutive rows); rewards are left empty.
@@ -220,8 +241,10 @@ class FlowPolicy(FlowStepRules):
     def decode(self, latents: Tensor, chunk_size: int | None = None) -> Tensor:
         """Images in [0, 1]: Float[N, 3, H, W] (video Float[N, 3, F, H, W]) from final latents."""
         chunk = chunk_size or max(len(latents), 1)
-        parts = [DECODERS[self.decoder](self.vae, latents[i : i + chunk], self.pixel_range)
-                 for i in range(0, len(latents), chunk)]  # fmt: skip
+        vae_dtype = torch.float32 if self.vae is None else compute_dtype_of(self.vae)
+        with compute(vae_dtype, latents.device):
+            parts = [DECODERS[self.decoder](self.vae, latents[i : i + chunk], self.pixel_range)
+                     for i in range(0, len(latents), chunk)]  # fmt: skip
         return torch.cat(parts)
 
     def forward_noising(self, x0: Tensor, t: Tensor, noise: Tensor, cond: FlowCondition,
@@ -266,20 +289,29 @@ class FlowPolicy(FlowStepRules):
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         self.weights.load_state_dict(state)
 
-    def _save_scheduler(self, directory: Path) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler
+    def _save_scheduler(self, directory: Path) -> set[str]:
+        """Write scheduler/ (the class the config names, with any shift override applied)."""
+        import diffusers
 
-        sched = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
-        sched.save_config(directory / "scheduler")
+        from grouprl.policies.flow_schedule import scheduler_class
+
+        cls = getattr(diffusers, scheduler_class(self.scheduler_config))  # Wan: UniPC
+        cls.from_config(self.scheduler_config).save_config(directory / "scheduler")
+        return {"scheduler"}
 
     def save_pretrained(self, directory: str | Path, *, merge_lora: bool = False) -> Path:
         """A diffusers layout: <folder>/ (transformer or unet: config + merged safetensors; under
         LoRA only with merge_lora), scheduler/, pytorch_lora_weights.safetensors under LoRA (what
-        `pipe.load_lora_weights(directory)` reads) and grouprl_flow.json (family, latent shape)."""
+        `pipe.load_lora_weights(directory)` reads) and grouprl_flow.json (family, latent shape).
+        A full model built from a pipeline (pipeline_source) is saved as a complete pipeline
+        folder: model_index.json and every other component (flow_pipeline_folder.py)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.weights.save(directory, merge_lora)
-        self._save_scheduler(directory)
+        written = self._save_scheduler(directory)
+        if self.pipeline_source is not None and (self.lora is None or merge_lora):
+            # a full model: a whole pipeline folder that DiffusionPipeline.from_pretrained loads
+            complete_pipeline(self.pipeline_source, directory, {self.family.folder, *written})
         meta = {"family": self.family.name, "latent_shape": list(self.latent_shape),
                 "lora": None if self.lora is None else asdict(self.lora)}  # fmt: skip
         (directory / "grouprl_flow.json").write_text(json.dumps(meta, indent=2))

@@ -33,6 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from grouprl.policies.precision import compute_dtype_of
+
 PixelRange = Literal["zero_one", "minus_one_one"]
 
 
@@ -159,14 +161,20 @@ def predict(
     negative: dict[str, Tensor] | None,
     guidance_scale: Tensor,
     guidance: Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The (guided) prediction Float32[B, ...] for latents x [B, ...] (any float dtype).
 
     sigma / timestep / guidance_scale: [B]. Rows with guidance_scale > 1 get classifier-free guidance
     from `negative` (required then); the whole batch takes one doubled forward when any row does.
     guidance: the FLUX guidance-embedding scale [B] (ignored by other families).
+    dtype: the compute dtype the inputs are cast to (None: the dtype most of the model's weights
+    are stored in, never merely its first parameter's: diffusers keeps some modules in float32).
+    The caller runs this under policies.precision.compute(dtype) so that every module's weights
+    meet their input in that dtype.
     """
-    dtype = next(iter(model.parameters())).dtype
+    if dtype is None:
+        dtype = compute_dtype_of(model)
     xin = x.to(dtype)  # [B, ...]
     cfg = bool((guidance_scale > 1).any())
     if not cfg:
@@ -216,7 +224,7 @@ def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None
 
 def _decode_kl(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
     scale, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
-    z = (z / scale + shift).to(next(iter(vae.parameters())).dtype)  # [N, C, h, w]
+    z = (z / scale + shift).to(compute_dtype_of(vae))  # [N, C, h, w]
     return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
 
 
@@ -224,7 +232,7 @@ def _decode_wan(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
     std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
-    z = (z * std + mean).to(next(iter(vae.parameters())).dtype)  # [N, C, f, h, w]
+    z = (z * std + mean).to(compute_dtype_of(vae))  # [N, C, f, h, w]
     return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, F, H, W]
 
 

@@ -1,8 +1,12 @@
 """Sigma schedules, per-sample step selection and initial noise for flow-matching policies.
 
-Sigmas (diffusers convention, x_sigma = (1 - sigma) x0 + sigma eps, decreasing, last = 0) come from a
-`FlowMatchEulerDiscreteScheduler` built from its config, so shift / dynamic shifting / Karras options
-behave exactly as in the diffusers pipelines. Rollouts use fewer steps than evaluation ("denoising
+Sigmas (diffusers convention, x_sigma = (1 - sigma) x0 + sigma eps, decreasing, last = 0) come from the
+model's own scheduler class built from its config (`_class_name`: FlowMatchEulerDiscreteScheduler, or
+UniPC / DPM-Solver multistep in flow mode as Wan ships them), so shift, flow_shift, dynamic shifting
+and Karras options behave exactly as in the diffusers pipelines. The policy then takes its own
+stochastic step between those sigmas (not UniPC's multistep update: a deviation for Wan, whose
+pipeline solves the same schedule with UniPC). `override_shift` applies an explicit shift and says
+what it replaced (with dynamic shifting: the dynamic shifting itself). Rollouts use fewer steps than evaluation ("denoising
 reduction", Flow-GRPO arXiv 2505.05470: 10 vs 40): both come from the same function with a different K.
 
 Step selection (a registry, `STEP_SELECTIONS`) decides per sample which of the K steps are stochastic
@@ -40,6 +44,56 @@ NoiseMode = Literal["independent", "shared"]
 BaseSpacing = Literal["scheduler", "linear"]
 
 
+# flow-matching schedulers whose sigmas a policy samples with; the multistep ones only in their
+# flow mode (use_flow_sigmas + flow_prediction, as Wan 2.1 ships UniPC); the key each names its shift
+SHIFT_KEYS = {
+    "FlowMatchEulerDiscreteScheduler": "shift",
+    "UniPCMultistepScheduler": "flow_shift",
+    "DPMSolverMultistepScheduler": "flow_shift",
+}
+DEFAULT_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+
+
+def scheduler_class(scheduler_config: dict[str, Any] | None) -> str:
+    """The diffusers scheduler class a config names (`_class_name`; none: FlowMatchEuler)."""
+    name = dict(scheduler_config or {}).get("_class_name") or DEFAULT_SCHEDULER
+    if name not in SHIFT_KEYS:
+        raise ValueError(
+            f"scheduler {name!r} is not a flow-matching scheduler this policy samples with; "
+            f"supported: {sorted(SHIFT_KEYS)}"
+        )
+    if name != DEFAULT_SCHEDULER:
+        cfg = dict(scheduler_config or {})
+        if not cfg.get("use_flow_sigmas") or cfg.get("prediction_type") != "flow_prediction":
+            raise ValueError(
+                f"{name} is a flow-matching schedule only with use_flow_sigmas=true and "
+                f"prediction_type='flow_prediction' (got {cfg.get('use_flow_sigmas')!r}, "
+                f"{cfg.get('prediction_type')!r})"
+            )
+    return name
+
+
+def override_shift(scheduler_config: dict[str, Any], shift: float) -> tuple[dict[str, Any], str]:
+    """(config with an explicit shift applied, a sentence saying what changed).
+
+    FlowMatchEuler: `shift`; with dynamic shifting (FLUX.1-dev) the explicit shift replaces it
+    (use_dynamic_shifting -> false), since diffusers ignores `shift` when the shift comes from mu.
+    UniPC / DPM-Solver in flow mode (Wan): `flow_shift`."""
+    cfg = dict(scheduler_config)
+    name = scheduler_class(cfg)
+    key = SHIFT_KEYS[name]
+    was = cfg.get(key, 1.0)
+    cfg[key] = float(shift)
+    note = f"diffusion.shift={shift} overrides the scheduler's {key} {was} ({name})"
+    if cfg.get("use_dynamic_shifting"):
+        cfg["use_dynamic_shifting"] = False
+        note += (
+            "; it replaces the scheduler's resolution-dependent dynamic shifting "
+            "(use_dynamic_shifting -> false)"
+        )
+    return cfg, note
+
+
 def flow_sigmas(
     scheduler_config: dict[str, Any] | None,
     num_steps: int,
@@ -49,19 +103,35 @@ def flow_sigmas(
 ) -> Tensor:
     """The K + 1 sigmas (float32, decreasing, last = 0) of a K-step flow-matching sampling run.
 
-    scheduler_config: a FlowMatchEulerDiscreteScheduler config (None: the class defaults, shift 1).
+    scheduler_config: a diffusers scheduler config (`_class_name` names the class: FlowMatchEuler,
+    or UniPC / DPM-Solver multistep in flow mode as Wan ships them; None: FlowMatchEuler's defaults,
+    shift 1). The sigmas are that scheduler's own after `set_timesteps(K)`, so shift, flow_shift,
+    dynamic shifting and Karras options are exactly the pipelines'.
     spacing: "scheduler" = the scheduler's own default timesteps (SD3 / Wan pipelines); "linear" =
-    linspace(1, 1/K, K) before shifting (the FLUX pipeline). With `use_dynamic_shifting` the shift mu
-    comes from `image_seq_len` (tokens of the packed latent) as in the FLUX pipeline.
+    linspace(1, 1/K, K) before shifting (the FLUX pipeline; FlowMatchEuler only). With
+    `use_dynamic_shifting` the shift mu comes from `image_seq_len` (tokens of the packed latent) as
+    in the FLUX pipeline.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    import diffusers
 
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     if spacing not in ("scheduler", "linear"):
         raise ValueError(f"spacing must be 'scheduler' or 'linear', got {spacing!r}")
-    sched = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config or {}))
+    name = scheduler_class(scheduler_config)
+    sched = getattr(diffusers, name).from_config(dict(scheduler_config or {}))
     kwargs: dict[str, Any] = {}
+    if name != DEFAULT_SCHEDULER:
+        if spacing != "scheduler":
+            raise ValueError(f"sigma spacing {spacing!r} needs FlowMatchEuler; {name} sets its own")
+        sched.set_timesteps(num_steps)
+        sigmas = torch.as_tensor(sched.sigmas).to(torch.float32)  # [K+1]
+        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
+            raise ValueError(
+                f"{name} gave {len(sigmas)} sigmas ending at {float(sigmas[-1])}; a K-step run needs "
+                "K + 1 ending at 0 (final_sigmas_type='zero')"
+            )
+        return sigmas
     if spacing == "linear":
         kwargs["sigmas"] = np.linspace(1.0, 1.0 / num_steps, num_steps)
     if sched.config.use_dynamic_shifting:

@@ -23,6 +23,7 @@ class FlowStepRules:
     """The flow-matching schedule, step and KL variance (module docstring)."""
 
     family: Any
+    model: Any
     latent_shape: tuple[int, ...]
     scheduler_config: dict
     sigma_spacing: str
@@ -30,9 +31,12 @@ class FlowStepRules:
 
     def _schedule(self, num_steps: int) -> dict[str, Tensor]:
         """Per-slot values [K+1]: sigmas and the network's timesteps (sigma * num_train_timesteps)."""
-        seq = None
-        if self.family.name == "flux":
+        seq = None  # image tokens, for dynamic shifting (mu from the resolution)
+        if self.family.name == "flux":  # 2x2 packed latents
             seq = (self.latent_shape[-2] // 2) * (self.latent_shape[-1] // 2)
+        elif self.family.name == "sd3":  # patch_size x patch_size patches
+            patch = int(getattr(getattr(self.model, "config", None), "patch_size", 1))
+            seq = (self.latent_shape[-2] // patch) * (self.latent_shape[-1] // patch)
         sigmas = flow_sigmas(self.scheduler_config, num_steps, image_seq_len=seq,
                              spacing=self.sigma_spacing)  # fmt: skip  # [K+1]
         scale = self.scheduler_config.get("num_train_timesteps", 1000)

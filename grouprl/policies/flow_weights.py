@@ -26,6 +26,7 @@ from torch import Tensor
 from grouprl.policies import flow_lora
 from grouprl.policies.flow_models import Family
 from grouprl.policies.lora import LoRASettings
+from grouprl.policies.precision import master_weights
 
 OLD = "old::"
 
@@ -37,6 +38,7 @@ class FlowWeights:
         self.model, self.family, self.lora = model, family, lora
         if lora is not None:
             flow_lora.add_lora(model, lora)
+        master_weights(model)  # trainable weights (and so AdamW's moments) in float32
         self._ref_model: Any = None
         self._old: dict[str, Tensor] | None = None
 
@@ -120,3 +122,16 @@ class FlowWeights:
             flow_lora.load_lora(self.model, self.family, self.lora, directory)
         else:
             flow_lora.load_model_folder(self.model, directory / self.family.folder)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute the denoiser's block activations in backward (diffusers' own switch, which the
+    transformer and UNet blocks read when grad is enabled); an error for a model without one."""
+    if not getattr(model, "_supports_gradient_checkpointing", False) or not hasattr(
+        model, "enable_gradient_checkpointing"
+    ):
+        raise ValueError(
+            f"model.gradient_checkpointing: {type(model).__name__} has no gradient checkpointing "
+            "(diffusers ModelMixin with _supports_gradient_checkpointing); set it to false"
+        )
+    model.enable_gradient_checkpointing()

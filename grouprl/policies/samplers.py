@@ -125,6 +125,9 @@ def _sde_mean(x: Tensor, v: Tensor, s: Tensor, g: Tensor, delta: Tensor) -> Tens
     return x * (1 + g2 * d / (2 * s_)) + v * (1 + g2 * (1 - s_) / (2 * s_)) * d  # [B, ...]
 
 
+SIGMA_ONE_TOL = 1e-5  # flow_sde: sigmas this close to 1 take Flow-GRPO's sigma = 1 rule
+
+
 def flow_sde(
     x: Tensor,
     v: Tensor,
@@ -143,11 +146,14 @@ def flow_sde(
     x, v = x.float(), v.float()  # [B, ...]
     s, sn = _sigmas(x, sigma, sigma_next)  # [B]
     smax = sn if sigma_max is None else per_sample(sigma_max, x, "sigma_max")  # [B]
-    if bool(((s == 1) & ((smax >= 1) | (smax <= 0))).any()):
+    # sigma = 1 up to SIGMA_ONE_TOL: UniPC's flow sigmas (Wan) start at 1 - 1e-6 on purpose, where
+    # 1 - sigma would make g ~ 700 a
+    at_one = s >= 1 - SIGMA_ONE_TOL  # [B]
+    if bool((at_one & ((smax >= 1 - SIGMA_ONE_TOL) | (smax <= 0))).any()):
         raise ValueError(
             f"sigma_max must lie in (0, 1) for a step at sigma = 1, got {smax.tolist()}"
         )
-    denom = 1 - torch.where(s == 1, smax, s)  # [B]
+    denom = 1 - torch.where(at_one, smax, s)  # [B]
     g = noise_level * torch.sqrt(s / denom)  # [B]
     delta = sn - s  # [B]
     mean = _sde_mean(x, v, s, g, delta)  # [B, ...]

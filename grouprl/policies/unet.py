@@ -3,8 +3,10 @@ steps of eta > 0, each step an action with a Gaussian log-prob (DDPO, arXiv 2305
 
 Same interface as FlowPolicy (sample / log_probs / reference / kl / decode / LoRA / save), which it
 extends with a DDIM schedule and step; only the step math differs:
-- schedule: a `DDIMScheduler` built from its config (`set_timesteps(K)`: leading / trailing /
-  linspace spacing and steps_offset as in the pipeline); slot k holds the timestep t_k and
+- schedule: a `DDIMScheduler` built from the pipeline's own scheduler config (`ddim_config`: SD 1.5's
+  PNDM config, as DDPO's `DDIMScheduler.from_config(pipeline.scheduler.config)`), then
+  `set_timesteps(K)` (leading / trailing / linspace spacing and steps_offset as in the pipeline);
+  slot k holds the timestep t_k and
   alpha_bar(t_k); the last slot holds alpha_bar of t_{K-1} - T / K, or the scheduler's
   final_alpha_cumprod when that is negative (DDIMScheduler.step's rule). FlowBatch.sigmas stores
   sqrt(1 - alpha_bar), the noise share of x_t.
@@ -37,6 +39,23 @@ DDPO_SCHEDULER = {
     "set_alpha_to_one": False,
     "steps_offset": 1,
 }  # the SD 1.x DDIM config (StableDiffusionPipeline forces steps_offset 1)
+
+
+def ddim_config(pipeline_scheduler: dict) -> dict:
+    """The DDIM config DDPO samples with: `DDIMScheduler.from_config(pipeline.scheduler.config)`
+    (SD 1.5 ships PNDM: its betas, num_train_timesteps, steps_offset and timestep_spacing carry
+    over), with clip_sample off (the DDIM step here never clips x0, module docstring)."""
+    from diffusers import DDIMScheduler
+
+    cfg = {k: v for k, v in dict(DDIMScheduler.from_config(pipeline_scheduler).config).items()
+           if not k.startswith("_")}  # fmt: skip
+    if cfg.get("prediction_type", "epsilon") != "epsilon":
+        raise ValueError(
+            f"the UNet's scheduler has prediction_type={cfg['prediction_type']!r}; the DDIM policy "
+            "takes epsilon-prediction UNets (SD 1.x)"
+        )
+    cfg["clip_sample"] = False
+    return cfg
 
 
 class UNetPolicy(FlowPolicy):
@@ -106,7 +125,12 @@ class UNetPolicy(FlowPolicy):
             "predicts epsilon: use FlowPolicy with a flow transformer"
         )
 
-    def _save_scheduler(self, directory: Path) -> None:
+    def _save_scheduler(self, directory: Path) -> set[str]:
+        """A pipeline's own scheduler (SD 1.5: PNDM) comes with the pipeline folder; without one,
+        the DDIM config sampled with."""
+        if self.pipeline_source is not None and self.lora is None:
+            return set()
         from diffusers import DDIMScheduler
 
         DDIMScheduler.from_config(self.scheduler_config).save_config(directory / "scheduler")
+        return {"scheduler"}
