@@ -120,6 +120,14 @@ def check_combinations(cfg: Config) -> None:
             "GSPO uses seq_mean_token_mean",
             stacklevel=2,
         )
+    if getattr(a, "kl_weighting", "none") == "importance" and (
+        a.kl_mode != "loss" or a.kl_coef == 0 or a.ratio_level == "geometric"
+    ):
+        raise ValueError(
+            "algorithm.kl_weighting='importance' weights the KL loss term by pi_theta/pi_old; it "
+            "needs kl_mode='loss', kl_coef > 0 and ratio_level 'token' or 'sequence' (got "
+            f"{a.kl_mode!r}, {a.kl_coef}, {a.ratio_level!r})"
+        )
     if a.surrogate == "sapo" and a.aggregation != "seq_mean_token_mean":
         warnings.warn("SAPO is defined with seq_mean_token_mean aggregation", stacklevel=2)
     if a.reward_aggregation == "normalize_then_sum" and (a.advantage, a.scale) != ("grpo", "group"):

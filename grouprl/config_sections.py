@@ -228,6 +228,11 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = Field("k3", description="KL estimator.")
     kl_mode: Literal["loss", "reward"] = Field("loss", description="KL as loss term or in reward.")
+    kl_weighting: Literal["none", "importance"] = Field(
+        "none",
+        description="importance: the per-token KL loss times the ratio pi_theta/pi_old (token or "
+        "sequence level, as ratio_level; TRL's use_bias_correction_kl). Needs kl_mode loss.",
+    )
     entropy_coef: float = Field(0.0, description="loss -= coef * entropy (positive raises H).")
     top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="Train top-q entropy tokens.")
     engine_correction: Correction = Field("none", description="Trainer/engine mismatch weights.")
