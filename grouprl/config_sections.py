@@ -124,6 +124,12 @@ class RewardConfig(_Section):
         "'thread' (for CUDA reward models; a late call is abandoned, not stopped).",
     )
     workers: int = Field(1, ge=1, description="With timeout_s: samples scored in parallel.")
+    max_failed_steps: int = Field(
+        3,
+        ge=1,
+        description="A step where this reward fails on every sample prints a warning with its "
+        "first error; after this many such steps in a row the run stops with an error.",
+    )
 
 
 class VLLMConfig(_Section):

@@ -27,6 +27,7 @@ from grouprl.build import (
 from grouprl.config import Config, save_resolved
 from grouprl.distributed import SINGLE, Dist
 from grouprl.distributed import setup as setup_dist
+from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
 from grouprl.envs.tasks import build_task
 from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
@@ -53,12 +54,23 @@ class NonFiniteLossError(RuntimeError):
 
 
 def rollout_step(
-    cfg, policy, sampler, reward_fns, weights, params, step, dist: Dist = SINGLE
+    cfg,
+    policy,
+    sampler,
+    reward_fns,
+    weights,
+    params,
+    step,
+    dist: Dist = SINGLE,
+    health: RewardHealth | None = None,
 ) -> tuple[Rollout | None, dict]:
     """Sample and score one batch of groups (with DAPO dynamic sampling when configured).
-    Several processes: each samples a share of the groups, all get the whole scored batch."""
+    Several processes: each samples a share of the groups, all get the whole scored batch.
+    health: warns about / stops on a reward that fails on every sample (envs/rewards/health.py)."""
     r, a = cfg.rollout, cfg.algorithm
     errors_total: dict[str, int] = {}
+    first_errors: dict[str, str] = {}
+    scored = [0]  # samples the reward functions saw this step, over all sampling rounds
     seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
 
     def one_round(round_index: int) -> Rollout:
@@ -82,7 +94,9 @@ def rollout_step(
             rollout, errors = dist.gather_groups(examples, first_id, lambda part, first: collect(
                 policy, part, r.group_size, params, reward_fns,
                 first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+                first_errors=first_errors,
             ))  # fmt: skip
+        scored[0] += len(rollout.group_ids)  # images and text alike
         for k, v in errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
         return rollout
@@ -97,6 +111,18 @@ def rollout_step(
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v
+    if health is not None and not is_agent(cfg):
+        for name, fn in reward_fns.items():  # isolated rewards keep their first error text
+            pop = getattr(fn, "pop_first_error", None)
+            text = pop() if callable(pop) else None
+            if text is not None:
+                first_errors.setdefault(name, text)
+        failures = {
+            name: metrics.get(f"reward_errors/{name}", 0.0)
+            + metrics.get(f"reward_timeouts/{name}", 0.0)
+            for name in reward_fns
+        }
+        health.observe(step, failures, scored[0], first_errors)
     if rollout is not None and is_agent(cfg):
         metrics.update(episodes.episode_metrics(rollout))
         rollout = episodes.keep_informative(cfg, rollout)
@@ -296,8 +322,10 @@ def train(cfg: Config) -> dict[str, Any]:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         return m
 
+    limits = {r.name.rsplit(":", 1)[-1]: r.max_failed_steps for r in cfg.rewards}
+    health = RewardHealth({k: limits.get(k, DEFAULT_MAX_FAILED_STEPS) for k in reward_fns})
     rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
-        cfg, pol, sampler, reward_fns, weights, params, at, dist), dist.world)  # fmt: skip
+        cfg, pol, sampler, reward_fns, weights, params, at, dist, health), dist.world)  # fmt: skip
     prepare_cfg = prepare_config(cfg)  # one_step_off: old_logp is the sampling weights' already
 
     with logger:

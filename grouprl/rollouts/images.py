@@ -84,7 +84,7 @@ def score_images(
             "in the config (e.g. jpeg_compressibility, color_target, clip_score, pickscore)"
         )
     fns = {k: _as_image_batch(fn) for k, fn in reward_fns.items()}
-    return score_completions(fns, list(images), examples, fail_fast=fail_fast)
+    return score_completions(fns, list(images), examples, fail_fast=fail_fast, items_name="images")
 
 
 def likelihood_free(cfg: Any) -> bool:
