@@ -33,6 +33,7 @@ from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
+from grouprl.policies.dropout import disable_policy_dropout
 from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.rollouts import episodes, image_loss, images
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
@@ -127,6 +128,20 @@ def rollout_step(
         metrics.update(episodes.episode_metrics(rollout))
         rollout = episodes.keep_informative(cfg, rollout)
     return rollout, metrics
+
+
+def _disable_dropout(cfg: Config, policy) -> None:
+    """train.disable_dropout: all dropout p = 0 (policies/dropout.py); a LoRA dropout the user set
+    is switched off with a warning naming both options."""
+    lora = getattr(cfg.model, "lora", None)
+    if lora is not None and getattr(lora, "dropout", 0.0) > 0:
+        warnings.warn(
+            f"model.lora.dropout={lora.dropout} is switched off by train.disable_dropout=true "
+            "(the sampler never applies dropout, so the trainer's log-probs would not match its "
+            "own); set train.disable_dropout=false to keep it",
+            stacklevel=2,
+        )
+    disable_policy_dropout(policy)
 
 
 def is_agent(cfg: Config) -> bool:
@@ -280,6 +295,8 @@ def train(cfg: Config) -> dict[str, Any]:
     )  # rewards with a timeout_s run per sample in workers with a deadline
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
+    if cfg.train.disable_dropout:
+        _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     sampler = build_sampler(cfg, task.train)
