@@ -162,6 +162,17 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (None: the model's context minus max_new_tokens, "
+        "which also always bounds it); see prompt_overflow.",
+    )
+    prompt_overflow: Literal["filter", "truncate", "error"] = Field(
+        "filter",
+        description="A prompt over the limit: filter (left out, count warned), truncate (keep its "
+        "last tokens, count warned) or error (naming the row); checked once before training.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")

@@ -41,6 +41,7 @@ from grouprl.rollouts.engines.sync import push_weights, release_engine, step_mis
 from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.images import is_images
 from grouprl.rollouts.prepare import prepare
+from grouprl.rollouts.prompt_guard import apply_prompt_guard
 from grouprl.rollouts.single_turn import collect
 from grouprl.run_state import claim_run_dir, resume_from, save_checkpoint
 from grouprl.types import Rollout
@@ -299,6 +300,13 @@ def train(cfg: Config) -> dict[str, Any]:
         _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
+    task.train, eval_examples = apply_prompt_guard(  # over-long prompts: filter / truncate / error
+        cfg,
+        policy,
+        task.train,
+        eval_examples,
+        single_turn_text=not (is_agent(cfg) or is_images(cfg)),
+    )
     sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
     ckpts = dist.checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last)  # main writes
