@@ -262,5 +262,8 @@ def save_resolved(cfg: Config, path: Path) -> None:
     """Write the fully resolved config (every default and preset value spelled out)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    from grouprl.envs.tasks.records import dataset_summary  # a Dataset object given from Python
+
+    dumped = cfg.model_dump(mode="json", fallback=dataset_summary)
+    tmp.write_text(yaml.safe_dump(dumped, sort_keys=False))
     tmp.replace(path)

@@ -165,3 +165,20 @@ def test_data_errors_name_the_file_and_the_row(tmp_path):
     not_chat = _jsonl(tmp_path / "notchat.jsonl", [{"prompt": [1, 2]}])
     with pytest.raises(ValueError, match=rf"row 0 of '{not_chat}', column 'prompt': expected a"):
         build_task("prompts", source=str(not_chat))
+
+
+def test_a_dataset_object_in_the_config_trains_and_is_recorded(tmp_path, tiny_model_dir):
+    ds = Dataset.from_list(ROWS)
+    raw = {
+        "run": {"name": "ds", "output_dir": str(tmp_path), "device": "cpu", "console": False},
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "task": {"name": "math", "options": {"source": ds}},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "train": {"steps": 1},
+    }  # fmt: skip
+    cfg = validate(raw)
+    train(cfg)
+    record = (cfg.run_dir / "config.yaml").read_text()
+    assert (
+        "python_object: datasets.Dataset" in record and f"fingerprint: {ds._fingerprint}" in record
+    )

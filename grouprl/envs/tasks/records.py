@@ -271,3 +271,18 @@ def make_prompt(
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+def dataset_summary(value: Any) -> Any:
+    """How the resolved config.yaml and the loggers record a Dataset object passed from Python
+    (pydantic's model_dump fallback): its size, columns and fingerprint, not its rows. A config
+    file holding this summary cannot be run again as it is: it names what was used."""
+    from datasets import Dataset, DatasetDict
+
+    if isinstance(value, Dataset):
+        return {"python_object": "datasets.Dataset", "rows": len(value),
+                "columns": list(value.column_names), "fingerprint": value._fingerprint}  # fmt: skip
+    if isinstance(value, DatasetDict):
+        return {"python_object": "datasets.DatasetDict",
+                "splits": {k: dataset_summary(v) for k, v in value.items()}}  # fmt: skip
+    raise TypeError(f"cannot write {type(value).__name__} into the config record")
