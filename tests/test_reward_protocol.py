@@ -183,3 +183,22 @@ def test_reward_health_counts_consecutive_all_failed_steps():
         health.observe(2, {"r": 4}, 4, {"r": "boom"})
     with pytest.raises(RewardFailedError, match="2 such step"):
         health.observe(3, {"r": 4}, 4, {"r": "boom"})
+
+
+def test_isolated_rewards_use_the_keyword_protocol_too():
+    from grouprl.reward_isolation import IsolatedReward
+
+    def trl(prompts, completions, **kwargs):
+        return [float(p == "p" and c == "a") for p, c in zip(prompts, completions)]
+
+    def positional(texts, **kwargs):
+        return [0.0]
+
+    fns = {"trl": IsolatedReward(trl, "trl", timeout_s=5.0, isolation="thread")}
+    rewards, errors = score_completions(fns, ["a", "b"], [{"prompt": "p"}] * 2)
+    assert rewards["trl"].tolist() == [1.0, 0.0] and errors == {"trl": 0}
+    bad = {
+        "positional": IsolatedReward(positional, "positional", timeout_s=5.0, isolation="thread")
+    }
+    with pytest.raises(RewardSignatureError, match="'texts'"):
+        score_completions(bad, ["a"], [{"prompt": "p"}])

@@ -317,7 +317,7 @@ def score_completions(
         _check_call(fn, name, items_name, completions, kwargs)  # a signature bug: raise now
         try:
             raw = _call(fn, items_name, completions, kwargs)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RewardSignatureError):  # Ctrl-C; a wrapper's signature bug
             raise
         except BaseException as exc:  # SystemExit from user code is a failed sample, not an exit
             values, errors[name], first = _retry_each(
