@@ -92,6 +92,7 @@ def rollout_step(
             rollout, errors = images.collect(
                 cfg, policy, examples, reward_fns, first_group_id=first_id,
                 optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
+                first_errors=first_errors,
             )  # fmt: skip
         else:
             rollout, errors = dist.gather_groups(examples, first_id, lambda part, first: collect(

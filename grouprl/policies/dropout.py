@@ -36,7 +36,8 @@ def disable_dropout(module: nn.Module) -> list[str]:
             sub.p = 0.0
             continue
         for attr in _RATE_ATTRIBUTES:
-            value = getattr(sub, attr, None)
+            # the instance dict only: diffusers' __getattr__ forwards config names with a warning
+            value = vars(sub).get(attr)
             if isinstance(value, float) and not isinstance(value, bool) and value > 0:
                 setattr(sub, attr, 0.0)
                 changed.append(f"{name}.{attr}" if name else attr)
