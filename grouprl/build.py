@@ -37,6 +37,11 @@ def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
     else:
         fns = dict(task.reward_fns)
         weights = {k: task.default_reward_weights.get(k, 1.0) for k in fns}
+        if not fns and cfg.model.type == "causal_lm":  # e.g. task 'prompts': no reward of its own
+            raise ValueError(
+                f"task {cfg.task.name!r} has no reward of its own: list `rewards` in the config "
+                "(e.g. a user function 'path/to/file.py:function' or a reward model wrapper)"
+            )
     if cfg.algorithm.overlong_shaping == "soft" and "overlong" not in fns:
         a = cfg.algorithm
         fns["overlong"] = overlong_reward(

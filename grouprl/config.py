@@ -162,6 +162,14 @@ def check_combinations(cfg: Config) -> None:
             "GSPO uses seq_mean_token_mean",
             stacklevel=2,
         )
+    if getattr(a, "kl_weighting", "none") == "importance" and (
+        a.kl_mode != "loss" or a.kl_coef == 0 or a.ratio_level == "geometric"
+    ):
+        raise ValueError(
+            "algorithm.kl_weighting='importance' weights the KL loss term by pi_theta/pi_old; it "
+            "needs kl_mode='loss', kl_coef > 0 and ratio_level 'token' or 'sequence' (got "
+            f"{a.kl_mode!r}, {a.kl_coef}, {a.ratio_level!r})"
+        )
     if a.surrogate == "sapo" and a.aggregation != "seq_mean_token_mean":
         warnings.warn("SAPO is defined with seq_mean_token_mean aggregation", stacklevel=2)
     if a.reward_aggregation == "normalize_then_sum" and (a.advantage, a.scale) != ("grpo", "group"):
@@ -351,7 +359,23 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def save_resolved(cfg: Config, path: Path, header: str = "") -> None:
     """Write the fully resolved config (every default and preset value spelled out)."""
-    _write_yaml(path, cfg.model_dump(mode="json"), header)
+    _write_yaml(path, _plain(cfg), header)
+
+
+def _plain(cfg: Config, **kw: Any) -> dict:
+    """cfg as JSON-able values; a Dataset object given from Python becomes its summary."""
+    from grouprl.envs.tasks.records import dataset_summary
+
+    return cfg.model_dump(mode="json", fallback=dataset_summary, **kw)
+
+
+def _plain_value(value: Any) -> Any:
+    from grouprl.envs.tasks.records import dataset_summary
+
+    try:
+        return dataset_summary(value)
+    except TypeError:
+        return str(value)
 
 
 def _write_yaml(path: Path, data: dict, header: str = "") -> None:
@@ -392,15 +416,16 @@ def user_settings(cfg: Config) -> dict:
     since (attribute assignment). A Config built another way: its explicitly set fields."""
     written = _USER_SETTINGS.get(id(cfg))
     if written is None:
-        return cfg.model_dump(mode="json", exclude_unset=True)
+        return _plain(cfg, exclude_unset=True)
     out = copy.deepcopy(written)
     with warnings.catch_warnings():  # the preset warnings were given when cfg was made
         warnings.simplefilter("ignore")
-        baseline = flatten(Config.model_validate(copy.deepcopy(written)).model_dump(mode="json"))
-    for key, value in flatten(cfg.model_dump(mode="json")).items():
+        baseline = flatten(_plain(Config.model_validate(copy.deepcopy(written))))
+    for key, value in flatten(_plain(cfg)).items():
         if baseline.get(key, object()) != value:
             _set_dotted(out, key, value)
-    return json.loads(json.dumps(out, default=str))  # plain YAML types (tuples, paths from code)
+    # plain YAML types (tuples, paths from code; a Dataset object as its summary)
+    return json.loads(json.dumps(out, default=_plain_value))
 
 
 def save_run_config(cfg: Config, run_dir: Path) -> None:

@@ -110,6 +110,12 @@ class TrainConfig(_Section):
         description="A NaN/inf loss or gradient skips that update; this many steps in a row with "
         "a skipped update stop the run.",
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Set every dropout of the trained model to p=0 (LoRA's too, with a warning "
+        "when model.lora.dropout > 0), so the trainer's log-probs match the sampler's "
+        "(grouprl/policies/dropout.py). false keeps the model's dropout.",
+    )
 
 
 class EvalConfig(_Section):

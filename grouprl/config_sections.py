@@ -176,6 +176,12 @@ class RewardConfig(_Section):
         "'thread' (for CUDA reward models; a late call is abandoned, not stopped).",
     )
     workers: int = Field(1, ge=1, description="With timeout_s: samples scored in parallel.")
+    max_failed_steps: int = Field(
+        3,
+        ge=1,
+        description="A step where this reward fails on every sample prints a warning with its "
+        "first error; after this many such steps in a row the run stops with an error.",
+    )
 
 
 class VLLMConfig(_Section):
@@ -208,6 +214,17 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (None: the model's context minus max_new_tokens, "
+        "which also always bounds it); see prompt_overflow.",
+    )
+    prompt_overflow: Literal["filter", "truncate", "error"] = Field(
+        "filter",
+        description="A prompt over the limit: filter (left out, count warned), truncate (keep its "
+        "last tokens, count warned) or error (naming the row); checked once before training.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
@@ -280,6 +297,11 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = Field("k3", description="KL estimator.")
     kl_mode: Literal["loss", "reward"] = Field("loss", description="KL as loss term or in reward.")
+    kl_weighting: Literal["none", "importance"] = Field(
+        "none",
+        description="importance: the per-token KL loss times the ratio pi_theta/pi_old (token or "
+        "sequence level, as ratio_level; TRL's use_bias_correction_kl). Needs kl_mode loss.",
+    )
     entropy_coef: float = Field(0.0, description="loss -= coef * entropy (positive raises H).")
     top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="Train top-q entropy tokens.")
     engine_correction: Correction = Field("none", description="Trainer/engine mismatch weights.")

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from grouprl.envs.rewards.loading import RewardFn, _check_values, _row
+from grouprl.envs.rewards.loading import RewardFn, _check_values, _keywords_for, _row
 from grouprl.process_tree import become_subreaper, kill_tree
 
 _log = logging.getLogger(__name__)
@@ -133,13 +133,16 @@ class IsolatedReward:
         self.fn, self.name, self.timeout_s, self.isolation = fn, name, float(timeout_s), isolation
         self.workers, self.fail_fast = workers, fail_fast
         self.errors = self.timeouts = self.abandoned_threads = 0
+        self.first_error: str | None = None  # since the last pop_metrics()
         self.inner_metrics: dict[str, float] = {}  # pop_metrics() of fn, sent back by workers
         self._pool: list[_Worker] = []
         self._lock = threading.Lock()
 
     def __call__(self, completions: list[str], **columns: Any) -> list[float | None]:
         n = len(completions)
-        calls = [((list(completions[i : i + 1]),), _row(columns, i, n)) for i in range(n)]
+        # keyword calls (the protocol of loading.py): TRL's f(prompts, completions, **kw) works too
+        calls = [((), _keywords_for(self.fn, {"completions": list(completions[i : i + 1]),
+                                              **_row(columns, i, n)})) for i in range(n)]  # fmt: skip
         outcomes = ISOLATIONS[self.isolation](self, calls)
         values: list[float | None] = []
         for i, (status, payload) in enumerate(outcomes):
@@ -147,6 +150,8 @@ class IsolatedReward:
                 values += _check_values(self.name, payload, 1, offset=i)
                 continue
             what = f"timed out after {self.timeout_s:g} s" if status == "timeout" else payload
+            if self.first_error is None:  # quoted by the trainer's all-samples-failed warning
+                self.first_error = f"sample {i}: {what}"
             if self.fail_fast:
                 raise RewardFailure(f"reward function {self.name!r} on sample {i}: {what}")
             self.timeouts += status == "timeout"
@@ -237,6 +242,11 @@ class IsolatedReward:
         self.errors = self.timeouts = 0
         self.inner_metrics = {}
         return out
+
+    def pop_first_error(self) -> str | None:
+        """The first failure's text since the last call, then reset."""
+        first, self.first_error = self.first_error, None
+        return first
 
     def close(self) -> None:
         """Stop the worker processes (they are daemons: they also end with this process)."""

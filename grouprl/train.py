@@ -30,11 +30,14 @@ from grouprl.build import (
 from grouprl.config import Config
 from grouprl.distributed import SINGLE, Dist
 from grouprl.distributed import setup as setup_dist
+from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
 from grouprl.envs.tasks import build_task
+from grouprl.envs.tasks.records import dataset_summary
 from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
 from grouprl.plots import plot_curves
+from grouprl.policies.dropout import disable_policy_dropout
 from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.rollouts import episodes, image_loss, images
@@ -43,6 +46,7 @@ from grouprl.rollouts.engines.sync import push_weights, release_engine, step_mis
 from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.images import is_images
 from grouprl.rollouts.prepare import prepare
+from grouprl.rollouts.prompt_guard import apply_prompt_guard
 from grouprl.rollouts.single_turn import collect
 from grouprl.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
 from grouprl.types import Rollout
@@ -63,12 +67,23 @@ class NonFiniteLossError(RuntimeError):
 
 
 def rollout_step(
-    cfg, policy, sampler, reward_fns, weights, params, step, dist: Dist = SINGLE
+    cfg,
+    policy,
+    sampler,
+    reward_fns,
+    weights,
+    params,
+    step,
+    dist: Dist = SINGLE,
+    health: RewardHealth | None = None,
 ) -> tuple[Rollout | None, dict]:
     """Sample and score one batch of groups (with DAPO dynamic sampling when configured).
-    Several processes: each samples a share of the groups, all get the whole scored batch."""
+    Several processes: each samples a share of the groups, all get the whole scored batch.
+    health: warns about / stops on a reward that fails on every sample (envs/rewards/health.py)."""
     r, a = cfg.rollout, cfg.algorithm
     errors_total: dict[str, int] = {}
+    first_errors: dict[str, str] = {}
+    scored = [0]  # samples the reward functions saw this step, over all sampling rounds
     seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
 
     def one_round(round_index: int) -> Rollout:
@@ -87,12 +102,15 @@ def rollout_step(
             rollout, errors = images.collect(
                 cfg, policy, examples, reward_fns, first_group_id=first_id,
                 optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
+                first_errors=first_errors,
             )  # fmt: skip
         else:
             rollout, errors = dist.gather_groups(examples, first_id, lambda part, first: collect(
                 policy, part, r.group_size, params, reward_fns,
                 first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+                first_errors=first_errors,
             ))  # fmt: skip
+        scored[0] += len(rollout.group_ids)  # images and text alike
         for k, v in errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
         return rollout
@@ -107,10 +125,36 @@ def rollout_step(
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v
+    if health is not None and not is_agent(cfg):
+        for name, fn in reward_fns.items():  # isolated rewards keep their first error text
+            pop = getattr(fn, "pop_first_error", None)
+            text = pop() if callable(pop) else None
+            if text is not None:
+                first_errors.setdefault(name, text)
+        failures = {
+            name: metrics.get(f"reward_errors/{name}", 0.0)
+            + metrics.get(f"reward_timeouts/{name}", 0.0)
+            for name in reward_fns
+        }
+        health.observe(step, failures, scored[0], first_errors)
     if rollout is not None and is_agent(cfg):
         metrics.update(episodes.episode_metrics(rollout))
         rollout = episodes.keep_informative(cfg, rollout)
     return rollout, metrics
+
+
+def _disable_dropout(cfg: Config, policy) -> None:
+    """train.disable_dropout: all dropout p = 0 (policies/dropout.py); a LoRA dropout the user set
+    is switched off with a warning naming both options."""
+    lora = getattr(cfg.model, "lora", None)
+    if lora is not None and getattr(lora, "dropout", 0.0) > 0:
+        warnings.warn(
+            f"model.lora.dropout={lora.dropout} is switched off by train.disable_dropout=true "
+            "(the sampler never applies dropout, so the trainer's log-probs would not match its "
+            "own); set train.disable_dropout=false to keep it",
+            stacklevel=2,
+        )
+    disable_policy_dropout(policy)
 
 
 def is_agent(cfg: Config) -> bool:
@@ -318,9 +362,18 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     stack.callback(_close_all, reward_fns)  # isolated rewards: their workers and descendants end
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = build_policy(cfg, device)
+    if cfg.train.disable_dropout:
+        _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
     scaler = loss_scaler_for(cfg.model.dtype)  # float16: dynamic loss scaling
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
+    task.train, eval_examples = apply_prompt_guard(  # over-long prompts: filter / truncate / error
+        cfg,
+        policy,
+        task.train,
+        eval_examples,
+        single_turn_text=not (is_agent(cfg) or is_images(cfg)),
+    )
     sampler = build_sampler(cfg, task.train)
     params = sampling_params(cfg)
     if dist.is_main:  # everything is built: only now is the run directory touched
@@ -337,7 +390,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
-        run_name=cfg.run.name, config=cfg.model_dump(mode="json"), start_step=step,
+        run_name=cfg.run.name, config=cfg.model_dump(mode="json", fallback=dataset_summary), start_step=step,
     )  # fmt: skip
     if cfg.run.resume:  # rewind the logs to the checkpoint; with none yet, drop them all
         logger.truncate_after(step if latest is not None else -1)
@@ -366,8 +419,10 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
         return m
 
+    limits = {r.name.rsplit(":", 1)[-1]: r.max_failed_steps for r in cfg.rewards}
+    health = RewardHealth({k: limits.get(k, DEFAULT_MAX_FAILED_STEPS) for k in reward_fns})
     rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
-        cfg, pol, sampler, reward_fns, weights, params, at, dist), dist.world)  # fmt: skip
+        cfg, pol, sampler, reward_fns, weights, params, at, dist, health), dist.world)  # fmt: skip
     prepare_cfg = prepare_config(cfg)  # one_step_off: old_logp is the sampling weights' already
 
     with logger:

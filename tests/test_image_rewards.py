@@ -145,7 +145,7 @@ def test_registry_and_score_completions_with_an_image_tensor():
         "green": build_reward("color_target", target_column="target"),
     }
     examples = [{"prompt": "p", "target": [0.0, 1.0, 0.0]}, {"prompt": "q", "target": "lime"}]
-    rewards, errors = score_completions(fns, images, examples)
+    rewards, errors = score_completions(fns, images, examples, items_name="images")
     assert errors == {"jpeg": 0, "green": 0}
     assert rewards["jpeg"].tolist() == pytest.approx(jpeg_compressibility()(images), rel=1e-6)
     direct = color_target(target=[0.0, 1.0, 0.0])(images)
@@ -162,7 +162,7 @@ def test_a_failing_sample_costs_only_that_sample():
         {"prompt": "b", "color": "no such colour"},
         {"prompt": "c", "color": [1.0, 0.0, 0.0]},
     ]
-    rewards, errors = score_completions(fns, images, examples)
+    rewards, errors = score_completions(fns, images, examples, items_name="images")
     assert errors == {"c": 1}
     assert rewards["c"][[0, 2]].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
     assert math.isnan(rewards["c"][1].item())
@@ -187,7 +187,7 @@ def test_normalize_then_sum_combines_image_rewards_per_reward():
         "jpeg": build_reward("jpeg_compressibility"),
         "red": build_reward("color_target", target="red"),
     }
-    rewards, _ = score_completions(fns, images, [{"prompt": "x"}] * 6)
+    rewards, _ = score_completions(fns, images, [{"prompt": "x"}] * 6, items_name="images")
     weights = {"jpeg": 1.0, "red": 2.0}
     adv = compute_advantages(
         "grpo", rewards, group_ids, weights=weights, reward_aggregation="normalize_then_sum"

@@ -491,3 +491,48 @@ def test_all_masked_batch_is_zero_with_graph_and_zero_metrics(cfg):
     out.loss.backward()
     assert torch.equal(logp.grad, torch.zeros_like(logp))
     assert all(v == 0.0 for v in out.metrics.values()), out.metrics
+
+
+# GSPO at a clip bound, float32 (the dtype of real runs). log_s = mean token log-ratio sits within
+# an ulp of log(1.2); the tokens' log-probs span 0.7 .. 19, so the old per-token form
+# (log_s + logp) - logp rounded each token differently and clipped part of the sequence.
+_PAST = (  # exp(log_s) > 1.2 after rounding: the whole sequence is clipped
+    [[-10.525915145874023, -4.873165130615234, -11.69184684753418, -0.6630527973175049]],
+    [[-10.708236694335938, -5.055487155914307, -11.874168395996094, -0.8453747034072876]],
+)
+_INSIDE = (  # exp(log_s) <= 1.2: no token is clipped
+    [[-11.058140754699707, -19.05476188659668, -0.7232964038848877, -3.704620599746704]],
+    [[-11.240462303161621, -19.237083435058594, -0.9056180715560913, -3.8869423866271973]],
+)
+
+
+def _run32(logp_vals, old_vals):
+    logp = torch.tensor(logp_vals, dtype=torch.float32, requires_grad=True)
+    old = torch.tensor(old_vals, dtype=torch.float32)
+    mask = torch.ones(logp.shape, dtype=torch.bool)
+    out = policy_loss(logp, old, torch.tensor([1.0]), mask, ratio_level="sequence",
+                      eps_low=0.2, eps_high=0.2)  # fmt: skip
+    out.loss.backward()
+    return logp.grad, out.metrics
+
+
+@pytest.mark.parametrize("case", [_PAST, _INSIDE], ids=["past_bound", "inside_bound"])
+def test_gspo_ratio_is_one_number_per_sequence(case):
+    # every token carries the bit-identical sequence ratio: min == max over the sequence's tokens
+    _, m = _run32(*case)
+    assert float(m["ratio_min"]) == float(m["ratio_max"])
+    assert m["clip_frac_high"] in (0.0, 1.0)  # a sequence is clipped whole or not at all
+
+
+def test_gspo_sequence_just_past_the_clip_bound_gets_exactly_zero_gradient():
+    grad, m = _run32(*_PAST)
+    assert m["clip_frac_high"] == 1.0
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_gspo_sequence_just_inside_the_bound_gets_the_full_gradient_on_every_token():
+    # GSPO-token: d(-A s_t)/d logp_t = -A s, averaged over 4 tokens -> -s / 4 on each, s = 1.2
+    grad, m = _run32(*_INSIDE)
+    assert m["clip_frac_high"] == 0.0
+    assert torch.unique(grad).numel() == 1
+    assert grad[0, 0].item() == pytest.approx(-1.2 / 4, rel=1e-6)

@@ -211,3 +211,42 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
     assert total.item() == pytest.approx(full.loss.item(), rel=1e-10, abs=1e-12)
     torch.testing.assert_close(logp_b.grad, logp_a.grad)
     torch.testing.assert_close(ent_b.grad, ent_a.grad)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weighted_kl_hand_computed(level):
+    # TRL use_bias_correction_kl: per_token_kl * coef_1, coef_1 = exp(log importance weight) of the
+    # ratio level, not detached. A = 0 isolates the KL term. logp [-1, -2], old [-1.5, -2]:
+    # token log-ratios [0.5, 0]; ref = logp - 0.5 -> k1 = 0.5 on both tokens; coef 0.1, token_mean.
+    logp = _t([[-1.0, -2.0]]).requires_grad_(True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    algo = _algo(kl_coef=0.1, kl_estimator="k1", kl_weighting="importance", ratio_level=level)
+    out = total_loss(
+        PolicyOutput(logp=logp), old_logp=_t([[-1.5, -2.0]]), advantages=_t([0.0]), mask=mask,
+        algo=algo, counts=count_tokens(mask), ref_logp=logp.detach() - 0.5,
+    )  # fmt: skip
+    out.loss.backward()
+    if level == "token":
+        w = [math.exp(0.5), 1.0]  # rho_t
+        # d/dlogp_t 0.1 * (1/2) * k1_t rho_t = 0.05 * (rho_t + k1_t rho_t) = 0.05 * 1.5 * rho_t
+        grad = [0.05 * 1.5 * w[0], 0.05 * 1.5 * w[1]]
+    else:
+        s = math.exp(0.25)  # exp of the mean token log-ratio
+        w = [s, s]
+        # d/dlogp_t 0.05 * sum_u k1_u s = 0.05 * (s + (0.5 + 0.5) * s / 2)
+        grad = [0.05 * 1.5 * s, 0.05 * 1.5 * s]
+    kl = (0.5 * w[0] + 0.5 * w[1]) / 2
+    assert out.metrics["kl"] == pytest.approx(kl)
+    assert out.loss.item() == pytest.approx(0.1 * kl)
+    torch.testing.assert_close(logp.grad, _t([grad]))
+
+
+def test_importance_weighted_kl_needs_the_kl_loss_term():
+    logp = _t([[-1.0]]).requires_grad_(True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="kl_weighting"):
+        total_loss(
+            PolicyOutput(logp=logp), old_logp=logp.detach(), advantages=_t([0.0]), mask=mask,
+            algo=_algo(kl_coef=0.1, kl_mode="reward", kl_weighting="importance"),
+            counts=count_tokens(mask), ref_logp=logp.detach(),
+        )  # fmt: skip

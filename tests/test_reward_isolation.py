@@ -99,7 +99,7 @@ def test_fail_fast_raises_naming_the_reward_and_sample():
 
 
 def test_contract_violations_still_raise():
-    reward = IsolatedReward(lambda c, **_: [math.inf], "inf", timeout_s=2.0)
+    reward = IsolatedReward(lambda completions, **_: [math.inf], "inf", timeout_s=2.0)
     with pytest.raises(ValueError, match="'inf' returned inf for sample 0"):
         reward(["x"])
     reward.close()
@@ -130,7 +130,7 @@ def test_closures_and_the_wrapped_functions_own_metrics_come_back():
 
 
 def test_through_score_completions_nan_and_counts():
-    fns = isolate_rewards({"flaky": flaky, "len": lambda c, **_: [1.0] * len(c)},
+    fns = isolate_rewards({"flaky": flaky, "len": lambda completions, **_: [1.0] * len(completions)},
                           {"flaky": {"timeout_s": 0.3}})  # fmt: skip
     rewards, errors = score_completions(fns, ["ab", "hang"], [{"prompt": "p"}] * 2)
     assert rewards["flaky"][0] == 0.0 and math.isnan(rewards["flaky"][1])

@@ -280,11 +280,13 @@ def test_fail_fast_reraises_with_name_and_index(user_file):
 def test_score_completions_contract_errors():
     examples = _examples(["1", "2"])
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
-        score_completions({"short": lambda c, **k: [1.0]}, ["a", "b"], examples)
+        score_completions({"short": lambda completions, **k: [1.0]}, ["a", "b"], examples)
     with pytest.raises(ValueError, match="returned nan for sample 1"):
-        score_completions({"nan": lambda c, **k: [1.0, float("nan")]}, ["a", "b"], examples)
+        score_completions(
+            {"nan": lambda completions, **k: [1.0, float("nan")]}, ["a", "b"], examples
+        )
     with pytest.raises(ValueError, match="returned 'good' for sample 0"):
-        score_completions({"str": lambda c, **k: ["good", 1]}, ["a", "b"], examples)
+        score_completions({"str": lambda completions, **k: ["good", 1]}, ["a", "b"], examples)
     with pytest.raises(ValueError, match="3 examples for 2 completions"):
         score_completions({}, ["a", "b"], _examples(["1", "2", "3"]))
     with pytest.raises(ValueError, match="clash"):

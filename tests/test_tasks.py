@@ -285,7 +285,7 @@ def test_math_errors(tmp_path):
             "math", source=MATH_PARQUET, question_column="problem", answer_column="solution",
             answer_format="gsm8k",
         )  # fmt: skip
-    with pytest.raises(ValueError, match="split / config apply to hub datasets"):
+    with pytest.raises(ValueError, match="split applies to hub datasets and DatasetDicts"):
         build_task("math", source=GSM8K, split="test")
     with pytest.raises(ValueError, match="eval_fraction must be in"):
         build_task("math", source=GSM8K, eval_fraction=1.0)

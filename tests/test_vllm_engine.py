@@ -337,3 +337,20 @@ def test_train_run_pushes_weights_and_logs_mismatch(tmp_path, vllm_model_dir, en
     assert trainer_gap(final, r, 1.0) < TOL
     initial = CausalLMPolicy.from_pretrained(str(vllm_model_dir))
     assert trainer_gap(initial, r, 1.0) > 1e-3  # the run did change the weights
+
+
+def test_an_over_long_prompt_is_filtered_before_vllm_sees_it(tmp_path, vllm_model_dir, engine):
+    # issue 14: one row longer than the context crashed a vLLM run whenever it was drawn. The
+    # guard (rollouts/prompt_guard.py) drops it before training; every row is drawn in 2 steps.
+    from grouprl.train import train
+
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(3)]
+    rows.append({"question": "9+" * 200 + "9=", "answer": "1809"})  # 402 tokens > 256 - 6
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg(tmp_path, vllm_model_dir, "train.steps=2", "eval.max_examples=1")
+    cfg.task.name, cfg.task.options = "math", {"source": str(data)}
+    with pytest.warns(UserWarning, match="1 of 4 train prompts are longer than 250 tokens"):
+        train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]

@@ -25,6 +25,10 @@ from torch import Tensor
 from grouprl.objectives.registry import Registry
 
 KLEstimator = Literal["k1", "k2", "k3", "k1+", "k3+"]
+# "importance": the per-token KL times the importance ratio pi_theta / pi_old (TRL's
+# use_bias_correction_kl, DeepSeek-V3.2 arXiv 2512.02556): the KL estimators assume tokens drawn
+# from pi_theta, but they were drawn from pi_old, so each term is reweighted by the ratio.
+KLWeighting = Literal["none", "importance"]
 
 KL_ESTIMATORS = Registry("KL estimator")
 
@@ -99,3 +103,28 @@ def kl_in_reward(
     with torch.no_grad():
         kl = sequence_kl(logp_old, ref_logp, mask, estimator)  # [N]
     return rewards - coef * kl.to(rewards.dtype)  # [N]
+
+
+def importance_weighted_kl(
+    kl: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor, ratio_level: str
+) -> Tensor:
+    """kl [N, T] times the importance ratio of the configured level -> [N, T] (TRL's
+    use_bias_correction_kl).
+
+    token:    rho_t = exp(logp_t - old_logp_t)                      [N, T]
+    sequence: s_i = exp(sum_t m_t (logp_t - old_logp_t) / |o_i|)     [N, 1], broadcast over tokens
+    As in TRL, the ratio is NOT detached: the gradient flows through both the KL and the ratio
+    (with logp == old_logp the value is the plain KL, the gradient gains kl * dlogp). The log-ratio
+    is clamped to [-20, 20] before exp, like the surrogates' ratios.
+    """
+    delta = (logp - old_logp.detach()).masked_fill(~mask.bool(), 0.0)  # [N, T]
+    if ratio_level == "token":
+        log_w = delta  # [N, T]
+    elif ratio_level == "sequence":
+        log_w = delta.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
+    else:
+        raise ValueError(
+            f"kl_weighting='importance' is defined for ratio_level 'token' or 'sequence' (as TRL's "
+            f"importance_sampling_level), not {ratio_level!r}"
+        )
+    return kl * log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [N, T]

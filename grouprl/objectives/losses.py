@@ -6,8 +6,9 @@ Log-ratios are clamped to [-20, 20] before exp (as verl / OpenRLHF do).
 Ratio levels (`ratio_level`):
 - token      PPO (arXiv 1707.06347) / GRPO (arXiv 2402.03300): one ratio per slot.
 - sequence   GSPO (arXiv 2507.18071): log s_i = sum_t m log rho / |o_i|, used in the token form
-             log s_it = sg(log s_i) + logp - sg(logp): the value is the sequence ratio, the gradient
-             is per token (GSPO-token, as in verl).
+             log s_it = sg(log s_i) + (logp - sg(logp)): the value is the sequence ratio, bit for bit
+             the same on every token of the sequence (so a sequence is clipped whole or not at all),
+             the gradient is per token (GSPO-token, as in verl).
 - geometric  GMPO (arXiv 2507.20673, METHODS section 14): token log-ratios are clipped in log space,
              sign(A)-aware, R_i = exp(masked mean), L = -(1/num_seqs) sum_i A_i R_i with A_i the mean
              token advantage. The `aggregation` argument is IGNORED here (GMPO defines its own mean
@@ -89,7 +90,10 @@ def _token_log_ratio(b: _Batch) -> Tensor:
 def _sequence_log_ratio(b: _Batch) -> Tensor:
     delta = _token_log_ratio(b)  # [n, T]
     log_s = delta.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)  # [n, 1]
-    return log_s.detach() + b.logp - b.logp.detach()  # [n, T] value log s_i, gradient per token
+    # The parentheses matter: (sg(log s_i) + logp) - sg(logp) rounds differently per token (a few
+    # ulps), so a sequence sitting on a clip bound would be clipped on some tokens only. logp -
+    # sg(logp) is exactly 0.0 in value, so every token of row i carries the bit-identical log s_i.
+    return log_s.detach() + (b.logp - b.logp.detach())  # [n, T] value log s_i, gradient per token
 
 
 def _exp_ratio(log_ratio: Tensor) -> Tensor:

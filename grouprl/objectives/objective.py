@@ -2,6 +2,7 @@
 
     loss = pg_coef * policy_loss(weighted by engine-IS weights, the high-entropy mask, token_scales)
          + kl_coef * aggregate(KL)            when kl_mode == "loss" and kl_coef > 0
+                                              (KL x pi_theta/pi_old with kl_weighting "importance")
          - entropy_coef * aggregate(H)        when entropy_coef != 0
 
 Pieces and sources: surrogates in losses.py; KL estimators in kl.py (Schulman's k1/k2/k3, as in
@@ -46,7 +47,7 @@ from grouprl.objectives.aggregation import aggregate, local_counts
 from grouprl.objectives.correction import engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask
 from grouprl.objectives.group_losses import PMD_TAU, TPO_ETA
-from grouprl.objectives.kl import kl_penalty
+from grouprl.objectives.kl import importance_weighted_kl, kl_penalty
 from grouprl.objectives.losses import policy_loss
 from grouprl.types import LossOutput, PolicyOutput
 
@@ -116,11 +117,20 @@ def _token_weights(policy_out, old_logp, mask, algo, engine_logp, token_scales, 
     return weights.to(policy_out.logp.dtype)  # [n, T]
 
 
-def _kl_term(logp, mask, algo, counts, ref_logp, kl_out, metrics) -> Tensor | None:
-    """coef * aggregated KL (scalar) when the KL is a loss term, else None; logs the KL either way."""
+def _kl_term(logp, old_logp, mask, algo, counts, ref_logp, kl_out, metrics) -> Tensor | None:
+    """coef * aggregated KL (scalar) when the KL is a loss term, else None; logs the KL either way.
+    kl_weighting "importance": the per-token KL times the ratio pi_theta / pi_old (kl.py)."""
     if algo.kl_mode not in _KL_MODES:
         raise ValueError(f"kl_mode must be one of {_KL_MODES}, got {algo.kl_mode!r}")
     in_loss = algo.kl_mode == "loss" and algo.kl_coef > 0
+    weighting = getattr(algo, "kl_weighting", "none")
+    if weighting not in ("none", "importance"):
+        raise ValueError(f"kl_weighting must be 'none' or 'importance', got {weighting!r}")
+    if weighting == "importance" and not in_loss:
+        raise ValueError(
+            "kl_weighting='importance' weights the KL loss term; it needs kl_mode='loss' and "
+            f"kl_coef > 0 (got kl_mode={algo.kl_mode!r}, kl_coef={algo.kl_coef})"
+        )
     if kl_out is None and ref_logp is None:
         if in_loss:
             raise ValueError(
@@ -134,6 +144,8 @@ def _kl_term(logp, mask, algo, counts, ref_logp, kl_out, metrics) -> Tensor | No
         kl = kl_out  # [n, T]
     if kl.shape != mask.shape:
         raise ValueError(f"KL must be [n, T] = {tuple(mask.shape)}, got {tuple(kl.shape)}")
+    if weighting == "importance":
+        kl = importance_weighted_kl(kl, logp, old_logp, mask, algo.ratio_level)  # [n, T]
     metrics["kl"] = _masked_mean(kl, mask)
     if not in_loss:
         return None
@@ -210,7 +222,7 @@ def total_loss(
     loss = getattr(algo, "pg_coef", 1.0) * pg.loss  # scalar
     agg_counts = {**agg_counts, "seq_weights": unit}
     for term in (
-        _kl_term(logp, mask, algo, agg_counts, ref_logp, kl_out, metrics),
+        _kl_term(logp, old_logp, mask, algo, agg_counts, ref_logp, kl_out, metrics),
         _entropy_term(policy_out.entropy, logp, mask, algo, agg_counts, metrics),
     ):
         if term is not None:

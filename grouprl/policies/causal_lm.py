@@ -137,7 +137,8 @@ class CausalLMPolicy:
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
         """Token ids per prompt: chat messages via the chat template (+ generation prompt),
         plain strings as-is (plus BOS only if this tokenizer normally adds one)."""
-        return encode_prompts(self.tokenizer, prompts)
+        # prompt_token_limit: set by the prompt guard in truncate mode (rollouts/prompt_guard.py)
+        return encode_prompts(self.tokenizer, prompts, getattr(self, "prompt_token_limit", None))
 
     def sample(
         self,

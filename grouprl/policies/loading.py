@@ -61,9 +61,12 @@ def load_causal_lm(
     return model, tokenizer
 
 
-def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Any, prompts: list[Prompt], max_tokens: int | None = None
+) -> list[list[int]]:
     """Token ids per prompt: chat messages via the chat template (+ generation prompt), plain
-    strings as-is (plus BOS only if this tokenizer normally adds one)."""
+    strings as-is (plus BOS only if this tokenizer normally adds one). max_tokens: keep the last
+    max_tokens ids of a longer prompt (left truncation, rollout.prompt_overflow 'truncate')."""
     tok, out = tokenizer, []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -85,5 +88,7 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt]) -> list[list[int]]:
         if isinstance(prompt, str) and bos is not None and ids[:1] != [bos]:
             if tok(text, add_special_tokens=True).input_ids[:1] == [bos]:
                 ids = [bos, *ids]
+        if max_tokens is not None and len(ids) > max_tokens:
+            ids = ids[-max_tokens:]  # the end of the prompt (and the generation header) stays
         out.append(ids)
     return out

@@ -75,7 +75,12 @@ def _as_image_batch(fn: Callable) -> Callable:
 
 
 def score_images(
-    reward_fns: dict[str, Callable], images: Tensor, examples: list[dict], *, fail_fast: bool
+    reward_fns: dict[str, Callable],
+    images: Tensor,
+    examples: list[dict],
+    *,
+    fail_fast: bool,
+    first_errors: dict[str, str] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, int]]:
     """name -> Float[N] rewards of images [N, 3, ...] (examples: one per image) and error counts."""
     if not reward_fns:
@@ -84,7 +89,7 @@ def score_images(
             "in the config (e.g. jpeg_compressibility, color_target, clip_score, pickscore)"
         )
     fns = {k: _as_image_batch(fn) for k, fn in reward_fns.items()}
-    return score_completions(fns, list(images), examples, fail_fast=fail_fast)
+    return score_completions(fns, list(images), examples, fail_fast=fail_fast, items_name="images")
 
 
 def likelihood_free(cfg: Any) -> bool:
@@ -119,6 +124,7 @@ def collect(
     *,
     first_group_id: int = 0,
     optimizer_step: int = 0,
+    first_errors: dict[str, str] | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """rollout.group_size images per example, decoded and scored; returns (Rollout, error counts).
 
@@ -144,7 +150,8 @@ def collect(
     repeated = [ex for ex in examples for _ in range(g)]  # one example per image
     images = policy.decode(rollout.actions.final)  # [N, 3, H, W] in [0, 1]
     rollout.rewards, errors = score_images(reward_fns, images, repeated,
-                                           fail_fast=cfg.run.fail_fast)  # fmt: skip
+                                           fail_fast=cfg.run.fail_fast,
+                                           first_errors=first_errors)  # fmt: skip
     rollout.info["prompt"] = [ex.get("prompt", "") for ex in repeated]
     rollout.info["example"] = repeated
     return rollout, errors

@@ -22,6 +22,7 @@ def collect(
     greedy: bool = False,
     fail_fast: bool = False,
     seed: int | None = None,
+    first_errors: dict[str, str] | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """Sample `group_size` completions for each example and score them with every reward function.
 
@@ -29,7 +30,9 @@ def collect(
     (dynamic sampling rounds) never share an id. seed: per-sample generators seeded from
     (seed, group id, index) instead of the global RNG (rollout.seeding per_sample). Returns the
     Rollout (rewards filled: name -> Float[N], NaN where a function failed) and name -> number
-    of failed samples.
+    of failed samples. Reward functions get the completions as strings, or, for a conversational
+    prompt (a list of {role, content} messages), as TRL does: [{"role": "assistant", "content":
+    text}]. first_errors: filled with name -> the first failure's text (score_completions).
     """
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
@@ -39,9 +42,13 @@ def collect(
     )
     batch = rollout.actions
     repeated = [ex for ex in examples for _ in range(group_size)]  # one example per completion
+    completions = [
+        [{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text
+        for text, ex in zip(rollout.info["completion"], repeated)
+    ]  # one per sample: a string, or TRL's message list for a conversational prompt
     rollout.rewards, errors = score_completions(
         reward_fns,
-        rollout.info["completion"],
+        completions,
         repeated,
         extra={
             "completion_lengths": batch.lengths.tolist(),
@@ -49,6 +56,7 @@ def collect(
             "max_new_tokens": params.max_new_tokens,
         },
         fail_fast=fail_fast,
+        first_errors=first_errors,
     )
     rollout.info["example"] = repeated
     return rollout, errors

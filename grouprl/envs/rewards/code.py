@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from grouprl.envs.rewards.code_harness import CodeTests, judge, normalize_tests, program
-from grouprl.envs.rewards.loading import column
+from grouprl.envs.rewards.loading import column, completion_texts
 from grouprl.envs.sandbox import Isolation, run_python
 
 _log = logging.getLogger(__name__)
@@ -129,7 +129,8 @@ class CodeReward:
         if self.setup_column is not None and self.setup_column in columns:
             setups = column(columns, self.setup_column, n, "code")
         jobs = []
-        for i, (text, tests, setup) in enumerate(zip(completions, raw_tests, setups)):
+        texts = completion_texts(completions)  # strings or TRL message lists
+        for i, (text, tests, setup) in enumerate(zip(texts, raw_tests, setups)):
             if not isinstance(text, str) or not isinstance(setup, str | None):
                 raise TypeError(f"code reward: sample {i} needs str completion and setup code")
             jobs.append((text, normalize_tests(tests, f"code reward, sample {i}"), setup or ""))

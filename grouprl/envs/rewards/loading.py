@@ -1,12 +1,19 @@
 """The reward-function protocol: loading user functions, building with options, batched scoring.
 
-Protocol: `fn(completions: list[str], **columns) -> list[float | None]`, called ONCE per batch.
-The caller passes `prompts`, `completion_lengths` (tokens), `truncated`, `max_new_tokens` and every
-example column repeated per completion (e.g. `answer=[...]`). None means "no reward for this sample"
-and becomes NaN, which the advantage code excludes from its statistics.
+Protocol (TRL's): `fn(completions=..., prompts=..., **columns) -> list[float | None]`, called ONCE
+per batch and with KEYWORD arguments only, so `def f(completions, **kwargs)`, TRL's
+`def f(prompts, completions, **kwargs)` and grouprl's built-ins all work. The caller passes
+`completions`, `prompts`, `completion_lengths` (tokens), `truncated`, `max_new_tokens` and every
+example column repeated per completion (e.g. `answer=[...]`). A completion is a string, or, when
+its prompt was conversational (a list of {role, content} messages), a message list
+`[{"role": "assistant", "content": text}]` as TRL passes it (`completion_text` reads either).
+A function without **kwargs gets only the keywords it names. None means "no reward for this
+sample" and becomes NaN, which the advantage code excludes from its statistics.
 
 `score_completions` isolates failures: when a batched call raises, each sample is retried alone so
-one bad completion costs one NaN (counted in `errors`), not the whole step.
+one bad completion costs one NaN (counted in `errors`), not the whole step. Any BaseException
+from user code (SystemExit, GeneratorExit ...) counts as that sample's error; only
+KeyboardInterrupt (a real Ctrl-C) propagates.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import inspect
 import math
 import numbers
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,8 +33,113 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# fn(completions, **columns) -> one float (or None = "no reward for this sample") per completion.
+# fn(completions=..., **columns) -> one float (or None = "no reward for this sample") per completion.
 RewardFn = Callable[..., list[float | None]]
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string as it is; a message list (conversational prompts,
+    TRL's form) -> the content of its last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list | tuple) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        if isinstance(content, str):
+            return content
+    raise TypeError(
+        "a completion must be a string or a list of {'role', 'content'} messages, got "
+        f"{type(completion).__name__}: {str(completion)[:80]!r}"
+    )
+
+
+def completion_texts(completions: Sequence[Any]) -> list[str]:
+    return [completion_text(c) for c in completions]
+
+
+def error_line(exc: BaseException) -> str:
+    """The last line of the exception's traceback ("ValueError: bad answer"), at most 300 chars."""
+    try:
+        return traceback.format_exception_only(exc)[-1].strip()[:300]
+    except Exception:  # a __str__ that raises
+        return type(exc).__name__
+
+
+def check_reward_signature(fn: Callable, name: str, items: str = "completions") -> None:
+    """Fail at build time for a function the keyword protocol cannot call: it must take `items`
+    (default "completions") by keyword, or **kwargs, and have no required positional-only
+    parameter."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # builtins / C callables without a signature: the call will tell
+    usage = (
+        f"reward functions are called with keyword arguments, e.g. def {name}(completions, "
+        "**kwargs) or TRL's def f(prompts, completions, **kwargs)"
+    )
+    positional_only = [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty
+    ]
+    if positional_only:
+        raise TypeError(
+            f"reward function {name!r} has positional-only parameters {positional_only}; {usage}"
+        )
+    named = {p.name for p in params if p.kind not in _NOT_NAMED}
+    if items not in named and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise TypeError(
+            f"reward function {name!r} has no parameter {items!r} and no **kwargs; its "
+            f"signature is {name}{inspect.signature(fn)}; {usage}"
+        )
+
+
+_NOT_NAMED = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.VAR_POSITIONAL,
+    inspect.Parameter.VAR_KEYWORD,
+)
+
+
+class RewardSignatureError(TypeError):
+    """A reward function's signature cannot take the keyword call (a bug, never a sample error)."""
+
+
+def _keywords_for(fn: Callable, kwargs: dict, name: str = "") -> dict:
+    """kwargs as fn accepts them: all with **kwargs, else only the names it has. A required
+    parameter the call does not supply is a RewardSignatureError naming the keywords there are."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    named = {p.name: p for p in params if p.kind not in _NOT_NAMED}
+    missing = [
+        n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in kwargs
+    ]
+    required_positional = [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty
+    ]
+    if missing or required_positional:
+        raise RewardSignatureError(
+            f"reward function {name or getattr(fn, '__name__', fn)!r} cannot be called with "
+            f"the keywords {sorted(kwargs)}: its parameters {missing + required_positional} "
+            f"get no value (signature {inspect.signature(fn)}). Reward functions are called "
+            "with keyword arguments: def f(completions, **kwargs), or TRL's def f(prompts, "
+            "completions, **kwargs), plus any dataset column by name"
+        )
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in named}
+
+
+def _call(fn: Callable, items_name: str, items: list, kwargs: dict) -> Any:
+    return fn(**_keywords_for(fn, {items_name: items, **kwargs}))
+
+
+def _check_call(fn: Callable, name: str, items_name: str, items: list, kwargs: dict) -> None:
+    """Raise RewardSignatureError before any call when fn cannot take these keywords."""
+    _keywords_for(fn, {items_name: items, **kwargs}, name)
 
 
 def call_with_options(factory: Callable[..., Any], options: Mapping[str, Any], what: str) -> Any:
@@ -114,6 +227,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise TypeError(
             f"reward function {spec!r}: {attr!r} is not callable (type {type(fn).__name__})"
         )
+    check_reward_signature(fn, spec)
     return fn
 
 
@@ -173,6 +287,8 @@ def score_completions(
     *,
     extra: Mapping[str, Any] | None = None,
     fail_fast: bool = False,
+    items_name: str = "completions",
+    first_errors: dict[str, str] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, int]]:
     """Score N completions with every reward function; returns (rewards, errors).
 
@@ -183,8 +299,11 @@ def score_completions(
               retrying one sample at a time, anything else is passed whole.
     rewards:  name -> Float[N] (float32), NaN where the function gave None or failed.
     errors:   name -> number of samples on which the function raised.
-    With fail_fast, the first failure is re-raised (original type) with a note naming the
-    function and the sample index.
+    With fail_fast, the first failure is re-raised (original type; a BaseException that is no
+    Exception, e.g. SystemExit, as a RuntimeError) with a note naming the function and the sample.
+    items_name:   the keyword the items are passed under ("completions"; image rewards "images").
+    first_errors: when given, name -> the first error's last traceback line, for each function
+                  that failed on some sample (the caller's warning quotes it).
     """
     n = len(completions)
     if len(examples) != n:
@@ -195,10 +314,17 @@ def score_completions(
     errors: dict[str, int] = {}
     for name, fn in reward_fns.items():
         errors[name] = 0
+        _check_call(fn, name, items_name, completions, kwargs)  # a signature bug: raise now
         try:
-            raw = fn(completions, **kwargs)
-        except Exception as exc:
-            values, errors[name] = _retry_each(name, fn, completions, kwargs, exc, fail_fast)
+            raw = _call(fn, items_name, completions, kwargs)
+        except (KeyboardInterrupt, RewardSignatureError):  # Ctrl-C; a wrapper's signature bug
+            raise
+        except BaseException as exc:  # SystemExit from user code is a failed sample, not an exit
+            values, errors[name], first = _retry_each(
+                name, fn, items_name, completions, kwargs, exc, fail_fast
+            )
+            if first is not None and first_errors is not None:
+                first_errors.setdefault(name, first)
         else:
             values = _check_values(name, raw, n)  # a contract violation raises: it is a bug
         rewards[name] = torch.tensor(  # [N]
@@ -207,33 +333,46 @@ def score_completions(
     return rewards, errors
 
 
+def _reraise(exc: BaseException, note: str) -> None:
+    """fail_fast: re-raise with a note; a non-Exception (SystemExit ...) as a RuntimeError, so
+    that user code cannot end the trainer with its exit status."""
+    if isinstance(exc, Exception):
+        exc.add_note(note)
+        raise exc
+    raise RuntimeError(f"{error_line(exc)} ({note})") from exc
+
+
 def _retry_each(
     name: str,
     fn: RewardFn,
-    completions: list[str],
+    items_name: str,
+    completions: list,
     kwargs: dict,
-    batch_exc: Exception,
+    batch_exc: BaseException,
     fail_fast: bool,
-) -> tuple[list[float | None], int]:
-    """After a batched call raised: call fn on each sample alone; failures become None."""
+) -> tuple[list[float | None], int, str | None]:
+    """After a batched call raised: call fn on each sample alone; failures become None.
+    Returns (values, number failed, the first failure's last traceback line or None)."""
     n = len(completions)
     values: list[float | None] = []
-    failed = 0
+    failed, first = 0, None
     for i in range(n):
         try:
-            raw = fn(completions[i : i + 1], **_row(kwargs, i, n))
-        except Exception as exc:
+            raw = _call(fn, items_name, completions[i : i + 1], _row(kwargs, i, n))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             if fail_fast:
-                exc.add_note(f"raised by reward function {name!r} on sample {i}")
-                raise
+                _reraise(exc, f"raised by reward function {name!r} on sample {i}")
             values.append(None)
             failed += 1
+            first = first or f"sample {i}: {error_line(exc)}"
         else:
             values += _check_values(name, raw, 1, offset=i)
     if fail_fast and failed == 0:
         # Every sample passes alone, so the batch itself is the problem: report that.
-        batch_exc.add_note(
-            f"raised by reward function {name!r} on the batch of {n} (no single sample fails)"
+        _reraise(
+            batch_exc,
+            f"raised by reward function {name!r} on the batch of {n} (no single sample fails)",
         )
-        raise batch_exc
-    return values, failed
+    return values, failed, first

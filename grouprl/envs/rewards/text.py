@@ -1,8 +1,9 @@
 """Built-in text reward functions: accuracy, format, overlong (DAPO), length.
 
 Each public name is a factory: options in, a batched reward function
-`fn(completions, **columns) -> list[float | None]` out. Every returned function accepts **kwargs
-and ignores the columns it does not need.
+`fn(completions, **columns) -> list[float | None]` out, called with keyword arguments
+(loading.py). Every returned function accepts **kwargs and ignores the columns it does not need;
+a completion may be a string or TRL's message list (conversational prompts).
 
 - overlong: soft overlong punishment of DAPO, arXiv 2503.14476 (METHODS.md section 13). Deviation:
   the buffer may be given as a fraction of max_new_tokens (`buffer_frac`, default 0.2 = DAPO's
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from grouprl.envs.answers import between_tags, last_number, same_answer, tag_pair
-from grouprl.envs.rewards.loading import RewardFn, call_with_options, column
+from grouprl.envs.rewards.loading import RewardFn, call_with_options, column, completion_texts
 
 # ---------------------------------------------------------------- accuracy
 
@@ -36,7 +37,7 @@ def _exact_accuracy(answer_tag: str | None = None, answer_column: str = "answer"
     def accuracy(completions: list[str], **columns: Any) -> list[float | None]:
         golds = column(columns, answer_column, len(completions), "accuracy")
         out: list[float | None] = []
-        for text, gold in zip(completions, golds):
+        for text, gold in zip(completion_texts(completions), golds):
             pred = between_tags(text, *tags) if tags else last_number(text)
             if gold is None:
                 out.append(None)
@@ -76,7 +77,7 @@ def _math_accuracy(
         main = threading.current_thread() is threading.main_thread()
         timeout = timeout_s if main else None
         out: list[float | None] = []
-        for text, gold in zip(completions, golds):
+        for text, gold in zip(completion_texts(completions), golds):
             gold_parsed = parse_bare(str(gold), timeout) if gold is not None else []
             if not gold_parsed:
                 out.append(None)
@@ -163,7 +164,7 @@ def format_reward(
     matcher = _MATCHERS[match]
 
     def format_(completions: list[str], **_: Any) -> list[float | None]:
-        return [float(matcher(regex, text) is not None) for text in completions]
+        return [float(matcher(regex, t) is not None) for t in completion_texts(completions)]
 
     return format_
 

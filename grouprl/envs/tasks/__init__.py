@@ -18,6 +18,7 @@ from grouprl.envs.tasks.countdown import build_countdown
 from grouprl.envs.tasks.env_seeds import build_env_task
 from grouprl.envs.tasks.images import build_image_prompts
 from grouprl.envs.tasks.math import build_math
+from grouprl.envs.tasks.prompts import build_prompts
 
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": build_arithmetic,
@@ -26,6 +27,7 @@ TASKS: dict[str, Callable[..., TaskData]] = {
     "env": build_env_task,
     "image_prompts": build_image_prompts,
     "code": build_code,
+    "prompts": build_prompts,  # prompt-only datasets for model-based / user rewards
 }
 
 

@@ -1,8 +1,8 @@
 """Code generation: a problem statement + tests per example, reward = tests passed in the sandbox.
 
-`source` is "synthetic" (the tiny built-in set below, for tests and smoke runs) or a local file
-(.jsonl, .json or .parquet, read with the readers of the math task). Columns of a file (names
-configurable):
+`source` is "synthetic" (the tiny built-in set below, for tests and smoke runs), a local file
+(.jsonl, .json, .parquet, .csv), a save_to_disk folder or a datasets.Dataset / DatasetDict object
+(records.py). Columns (names configurable; the question may be a conversation, TRL's format):
   question_column  the problem statement (default "question"; MBPP: "text")
   tests_column     the tests (default "tests"; MBPP: "test_list"): a list of assert snippets, a list
                    of {"input", "output"} objects, or {"inputs": [...], "outputs": [...]}; one string
@@ -17,14 +17,13 @@ problem is one ValueError naming the file, the row and the column.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 from grouprl.envs.rewards.code import CodeFrom, CodeScore, code_reward
 from grouprl.envs.rewards.code_harness import CodeTests, normalize_tests
 from grouprl.envs.sandbox import Isolation
 from grouprl.envs.tasks.base import TaskData, check_int, check_template
-from grouprl.envs.tasks.math import READERS
+from grouprl.envs.tasks.records import describe, is_local, load_records, make_prompt
 
 DEFAULT_TEMPLATE = "{question}\n{example}\nWrite your solution in a ```python code block."
 
@@ -74,18 +73,16 @@ def _example_text(tests: CodeTests) -> str:
     return f"Example input:\n{stdin.rstrip()}\nExample output:\n{stdout.rstrip()}"
 
 
-def _rows(source: str) -> tuple[list[dict], str]:
+def _rows(source: Any, split: str | None) -> tuple[list[dict], str]:
     if source == "synthetic":
         rows = [{"question": q, "tests": t, "solution": s} for q, t, s in SYNTHETIC]
         return rows, "synthetic"
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"code task: source must be 'synthetic' or a file path, got {source!r}")
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"code task: file {str(path)!r} does not exist")
-    if path.suffix not in READERS:
-        raise ValueError(f"code task: {str(path)!r} must end with one of {list(READERS)}")
-    return READERS[path.suffix](path), str(path)
+    if isinstance(source, str) and not is_local(source):
+        raise ValueError(
+            f"code task: source must be 'synthetic', a file or save_to_disk folder path, or a "
+            f"datasets.Dataset, got {source!r}"
+        )
+    return load_records(source, None, split, task="code"), describe(source)
 
 
 def to_examples(rows: list[dict], where: str, question_column: str, tests_column: str,
@@ -101,10 +98,11 @@ def to_examples(rows: list[dict], where: str, question_column: str, tests_column
     examples = []
     for i, row in enumerate(rows):
         question = row.get(question_column)
-        if not isinstance(question, str) or not question.strip():
+        conversational = isinstance(question, list)
+        if not conversational and (not isinstance(question, str) or not question.strip()):
             raise ValueError(
                 f"code task: row {i} of {where!r}: column {question_column!r} must be a non-empty "
-                f"string, got {str(question)[:80]!r}"
+                f"string or a list of {{'role', 'content'}} messages, got {str(question)[:80]!r}"
             )
         tests = normalize_tests(row.get(tests_column), f"code task: row {i} of {where!r}, "
                                 f"column {tests_column!r}")  # fmt: skip
@@ -114,15 +112,20 @@ def to_examples(rows: list[dict], where: str, question_column: str, tests_column
                 f"code task: row {i} of {where!r}: column {setup_column!r} must be a string, got "
                 f"{type(setup).__name__}"
             )
-        text = prompt_template.format(question=question.strip(), example=_example_text(tests))
-        prompt: Any = text
-        if system_prompt is not None:
-            prompt = [
-                {"role": "system", "content": system_prompt},
-                {"role": "user", "content": text},
-            ]
+        example = _example_text(tests)
+        prompt: Any = make_prompt(
+            question,
+            lambda text, example=example: prompt_template.format(
+                question=text.strip(), example=example
+            ),
+            system_prompt,
+            f"code task: row {i} of {where!r}, column {question_column!r}",
+        )
         raw = row.get(tests_column)
-        ex = {"prompt": prompt, "question": question, "tests": raw, "setup_code": setup or ""}
+        text = question
+        if conversational:  # the filled last user message
+            text = next(m for m in reversed(prompt) if m["role"] == "user")["content"]
+        ex = {"prompt": prompt, "question": text, "tests": raw, "setup_code": setup or ""}
         if isinstance(row.get("solution"), str):
             ex["solution"] = row["solution"]
         examples.append(ex)
@@ -130,7 +133,8 @@ def to_examples(rows: list[dict], where: str, question_column: str, tests_column
 
 
 def build_code(
-    source: str = "synthetic",
+    source: Any = "synthetic",
+    split: str | None = None,
     question_column: str = "question",
     tests_column: str = "tests",
     setup_column: str | None = None,
@@ -149,7 +153,9 @@ def build_code(
 ) -> TaskData:
     """Code task; reward "code" = tests passed in the sandbox (grouprl.envs.rewards.code).
 
-    source:          "synthetic" (10 built-in problems with reference solutions) or a local file
+    source:          "synthetic" (10 built-in problems with reference solutions), a local file
+                     (.jsonl / .json / .parquet / .csv), a save_to_disk folder or a Dataset object
+    split:           the part of a DatasetDict (object or folder) to use (default "train")
     question_column, tests_column, setup_column: the file's columns (module docstring)
     prompt_template: format string with {question} and optionally {example} (the first test)
     system_prompt:   when set, prompts are chat messages [system, user]
@@ -164,7 +170,7 @@ def build_code(
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"code task: eval_fraction must be in [0, 1), got {eval_fraction}")
     check_template("prompt_template", prompt_template, ("question", "example"), ("question",))
-    rows, where = _rows(source)
+    rows, where = _rows(source, split)
     examples = to_examples(rows, where, question_column, tests_column, setup_column,
                            prompt_template, system_prompt)  # fmt: skip
     evaluation: list[dict[str, Any]] = []

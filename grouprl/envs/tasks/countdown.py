@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from grouprl.envs.answers import between_tags, tag_pair
-from grouprl.envs.rewards.loading import RewardFn, column
+from grouprl.envs.rewards.loading import RewardFn, column, completion_texts
 from grouprl.envs.tasks.base import TaskData, check_choice, check_int, check_template
 
 _ALLOWED_CHARS = re.compile(r"[0-9\s+\-*/()]*")
@@ -137,7 +137,7 @@ def countdown_reward(
         numbers = column(columns, "numbers", n, "countdown")
         targets = column(columns, "target", n, "countdown")
         out: list[float | None] = []
-        for text, nums, target in zip(completions, numbers, targets):
+        for text, nums, target in zip(completion_texts(completions), numbers, targets):
             equation = extract(text, tags)
             ok = equation is not None and check_equation(
                 equation, [int(x) for x in nums], int(target), number_use

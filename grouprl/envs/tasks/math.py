@@ -1,133 +1,31 @@
-"""Math word problems from a hub dataset or a local file, scored by math-verify.
+"""Math word problems from a hub dataset, a local file or a Dataset object, scored by math-verify.
 
-`source` is either a local file (.jsonl, .json, .parquet; read without network) or a hub dataset
-name loaded with `datasets.load_dataset(name, config, split=...)`. GSM8K-style answers
-("... #### 1,072") become the ground truth "1072". Every loading problem is one ValueError /
-FileNotFoundError that names the file, the line or the columns that exist.
+`source`: a local file (.jsonl, .json, .parquet, .csv; read without network), a save_to_disk
+folder, a `datasets.Dataset` / `DatasetDict` passed from Python, or a hub dataset name loaded with
+`datasets.load_dataset(name, config, split=...)` (records.py). The question column may hold text
+or a conversation (TRL's format: a list of {role, content} messages, rendered with the chat
+template). GSM8K-style answers ("... #### 1,072") become the ground truth "1072". Every loading
+problem is one ValueError / FileNotFoundError that names the file, the line or row, or the
+columns that exist.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from grouprl.envs.answers import gsm8k_answer
 from grouprl.envs.rewards.text import accuracy_reward
 from grouprl.envs.tasks.base import TaskData, check_choice, check_int, check_template
+from grouprl.envs.tasks.records import READERS, describe, is_local, load_records, make_prompt
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+__all__ = ["READERS", "build_math", "load_records", "to_examples"]
+
 # names single_turn.collect passes to reward functions itself ("prompts" comes from "prompt")
 RESERVED_COLUMNS = frozenset(
     {"completions", "prompts", "completion_lengths", "truncated", "max_new_tokens"}
 )
-
-# ---------------------------------------------------------------- loading
-
-
-def _json_msg(exc: Exception) -> str:
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)[:120]
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as exc:  # also: huge ints, absurd nesting
-                raise ValueError(
-                    f"{path}: line {number} is not valid JSON ({_json_msg(exc)})"
-                ) from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {number} is a {type(row).__name__}, not an object")
-            rows.append(row)
-    return rows
-
-
-def _read_json(path: Path) -> list[dict]:
-    """A JSON list of objects, or {"<field>": [objects]}; one object per line is read as JSONL."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data":  # several top-level values: the JSON Lines layout
-            return _read_jsonl(path)
-        raise ValueError(f"{path}: line {exc.lineno} is not valid JSON ({exc.msg})") from None
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({_json_msg(exc)})") from None
-    if isinstance(data, dict):
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) != 1:
-            raise ValueError(f"{path}: expected a list of objects or one field holding that list")
-        data = lists[0]
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a list of objects")
-    return data
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq  # a datasets dependency; imported only when needed
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as exc:
-        raise ValueError(f"{path}: cannot read as parquet ({exc})") from exc
-
-
-READERS: dict[str, Callable[[Path], list[dict]]] = {
-    ".jsonl": _read_jsonl,
-    ".json": _read_json,
-    ".parquet": _read_parquet,
-}
-
-
-def _is_local(source: str) -> bool:
-    return (
-        source.endswith(LOCAL_SUFFIXES)
-        or source.startswith((".", "/", "~"))
-        or Path(source).exists()
-    )
-
-
-def load_records(source: str, config: str | None = None, split: str | None = None) -> list[dict]:
-    """Rows of a local file or a hub dataset split (default "train") as a list of dicts."""
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"math task: source must be a dataset name or a file path, got {source!r}")
-    if _is_local(source):
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"math task: file {str(path)!r} does not exist")
-        if path.suffix not in READERS or not path.is_file():
-            raise ValueError(
-                f"math task: {str(path)!r} must be a file ending with one of {list(READERS)}"
-            )
-        if split is not None or config is not None:
-            raise ValueError(
-                f"math task: split / config apply to hub datasets, not to {str(path)!r}"
-            )
-        rows = READERS[path.suffix](path)
-    else:
-        import datasets  # heavy; only hub sources need it
-
-        split = split or "train"
-        try:
-            rows = list(datasets.load_dataset(source, config, split=split))
-        except Exception as exc:
-            raise ValueError(
-                f"math task: cannot load hub dataset {source!r} (config={config!r}, "
-                f"split={split!r}): {exc}"
-            ) from exc
-    if not rows:
-        raise ValueError(f"math task: {source!r} has no rows")
-    return rows
-
 
 # ---------------------------------------------------------------- examples
 
@@ -146,7 +44,7 @@ ANSWER_FORMATS: dict[str, Callable[[str], str | None]] = {
 
 def to_examples(
     rows: list[dict],
-    source: str,
+    source: Any,
     question_column: str,
     answer_column: str,
     prompt_template: str,
@@ -154,6 +52,7 @@ def to_examples(
     answer_format: AnswerFormat,
 ) -> list[dict[str, Any]]:
     """Rows -> examples {"prompt", "answer", ...the row's other columns}."""
+    source = describe(source)
     present = sorted({k for row in rows for k in row})
     reserved = sorted(set(present) & RESERVED_COLUMNS)
     if reserved:
@@ -175,26 +74,25 @@ def to_examples(
                 f"math task: row {i} of {source!r} has no usable {question_column!r} / "
                 f"{answer_column!r} (answer_format={answer_format!r}): {str(raw)[:80]!r}"
             )
-        try:
-            text = prompt_template.format(**{**row, "question": question})
-        except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
-            # e.g. a column the template names is missing from this row (present in others)
-            raise ValueError(
-                f"math task: row {i} of {source!r}: prompt_template={prompt_template!r} cannot "
-                f"be filled ({type(exc).__name__}: {exc})"
-            ) from None
-        prompt: str | list[dict[str, str]] = text
-        if system_prompt is not None:
-            prompt = [
-                {"role": "system", "content": system_prompt},
-                {"role": "user", "content": text},
-            ]
+
+        def fill(text: str, row: dict = row, i: int = i) -> str:
+            try:
+                return prompt_template.format(**{**row, "question": text})
+            except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
+                # e.g. a column the template names is missing from this row (present in others)
+                raise ValueError(
+                    f"math task: row {i} of {source!r}: prompt_template={prompt_template!r} "
+                    f"cannot be filled ({type(exc).__name__}: {exc})"
+                ) from None
+
+        where = f"math task: row {i} of {source!r}, column {question_column!r}"
+        prompt = make_prompt(question, fill, system_prompt, where)
         examples.append({**row, "prompt": prompt, "answer": answer})
     return examples
 
 
 def build_math(
-    source: str,
+    source: Any,
     config: str | None = None,
     split: str | None = None,
     question_column: str = "question",
@@ -202,7 +100,7 @@ def build_math(
     prompt_template: str = "{question}",
     system_prompt: str | None = None,
     answer_format: AnswerFormat = "auto",
-    eval_source: str | None = None,
+    eval_source: Any = None,
     eval_config: str | None = None,
     eval_split: str | None = None,
     eval_fraction: float = 0.0,
@@ -213,11 +111,15 @@ def build_math(
 ) -> TaskData:
     """Math task (e.g. GSM8K, MATH), reward: accuracy via math-verify.
 
-    source:          hub dataset name, or a local .jsonl / .json / .parquet file
-    config, split:   hub config name and split (default "train"); not allowed for local files
+    source:          hub dataset name, a local .jsonl / .json / .parquet / .csv file, a
+                     save_to_disk folder, or a datasets.Dataset / DatasetDict object
+    config, split:   hub config name and split (default "train"); split also picks the part of a
+                     DatasetDict (object or folder); not allowed for single files
     question_column, answer_column: columns holding the question and the answer
-    prompt_template: format string with {question} (other columns may be used by name too)
+    prompt_template: format string with {question} (other columns may be used by name too); for a
+                     conversational question column it fills the last user message
     system_prompt:   when set, prompts are chat messages [system, user] instead of plain text
+                     (a conversation gets it first unless it starts with a system message)
     answer_format:   "auto" (GSM8K "#### x" when present, else the whole answer), "gsm8k", "raw"
     eval_source, eval_config: a separate eval dataset (file or hub name); eval_split: its split
                      (default "test"), or with no eval_source a second split of `source`
@@ -261,5 +163,9 @@ def build_math(
     )
 
 
-def _default_eval_split(eval_source: str) -> str | None:
-    return None if _is_local(eval_source) else "test"
+def _default_eval_split(eval_source: Any) -> str | None:
+    from datasets import DatasetDict
+
+    if isinstance(eval_source, DatasetDict):
+        return "test"
+    return None if not isinstance(eval_source, str) or is_local(eval_source) else "test"
