@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from grouprl.envs.rewards.loading import _load_module
+from grouprl.user_inputs import import_user_module
 
 _MODULE_SPEC = re.compile(r"^(?P<module>[^:]+):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
 # the `diffusion:` field that sets each sampler's noise (samplers.SAMPLER_OPTIONS: noise_level / eta)
@@ -47,7 +47,7 @@ def is_module_spec(name: str) -> bool:
 def load_velocity_module(m: Any) -> torch.nn.Module:
     """The user's velocity module: its class from model.name_or_path, weights from model.weights."""
     spec = _MODULE_SPEC.match(m.name_or_path)
-    module = _load_module(spec["module"], m.name_or_path)
+    module = import_user_module(spec["module"], f"model.name_or_path={m.name_or_path!r}")
     cls = getattr(module, spec["attr"], None)
     if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
         raise TypeError(f"model.name_or_path={m.name_or_path!r} must name a torch nn.Module class")

@@ -10,6 +10,10 @@ user's own Python modules (`module:function` rewards, `package.module:Class` mod
   directory resolves the same way under `grouprl train` (whose sys.path[0] is the console
   script's folder), `python -m grouprl` and the Python API (`grouprl.train.train(cfg)` from a
   script elsewhere). It is put last, so it never shadows an installed package.
+- `split_user_spec(spec, what)` / `import_user_module(module_part, what)`: the one loader of user
+  code named "package.module:attr" or "path/to/file.py:attr" (rewards, agent tools, velocity
+  modules). A file gets one module name per path (the same in every process, so workers agree);
+  a dotted name is looked up in the installed packages, then in the working directory.
 - `enable_crash_traces()`: faulthandler on, so a crash of the interpreter inside user code (a
   reward calling into C that segfaults) prints every thread's Python stack, naming the function.
 """
@@ -17,12 +21,16 @@ user's own Python modules (`module:function` rewards, `package.module:Class` mod
 from __future__ import annotations
 
 import faulthandler
+import hashlib
+import importlib
+import importlib.util
 import os
 import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 # "package.module:Class" or "file.py:Class": a user module, not a path (model.type flow)
@@ -68,6 +76,52 @@ def user_code_on_path() -> Iterator[None]:
     finally:
         if not present and cwd in sys.path:
             sys.path.remove(cwd)
+
+
+def split_user_spec(spec: Any, what: str) -> tuple[str, str]:
+    """("module part", "attr") of a "package.module:attr" / "path/to/file.py:attr" spec;
+    `what` ("reward function", "tool") names the spec in errors."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(
+            f"{what} {spec!r} must look like 'package.module:function' or "
+            "'path/to/file.py:function'"
+        )
+    module_part, attr = spec.rsplit(":", 1)
+    if not module_part or not attr:
+        raise ValueError(f"{what} {spec!r}: both the module and the function name are needed")
+    return module_part, attr
+
+
+def import_user_module(module_part: str, what: str) -> ModuleType:
+    """Import a dotted module name or a .py file (module docstring); `what` names the spec in
+    errors, e.g. "reward function 'my.py:score'"."""
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: file {str(path)!r} does not exist")
+        # hash() is salted per process; sha1 of the path gives every process the same name
+        name = "grouprl_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        if name in sys.modules:
+            return sys.modules[name]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"{what}: cannot load {str(path)!r} as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    with user_code_on_path():
+        try:
+            return importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"{what}: cannot import module {module_part!r} from the installed packages or "
+                f"the working directory {os.getcwd()!r} ({exc})"
+            ) from exc
 
 
 def enable_crash_traces() -> bool:

@@ -219,7 +219,12 @@ def test_scoring_a_subset_of_steps_and_batch_records():
     assert torch.equal(
         both.cond.negative["prompt_embeds"][5], other.cond.negative["prompt_embeds"][1]
     )
-    assert torch.equal(pol.log_probs(both).logp.detach()[4:], pol.log_probs(other).logp.detach())
+    # the same rows scored in a batch of 6 and of 2: equal up to float32 rounding (the CPU's
+    # matmul kernels block differently by batch size, so bit equality is not promised)
+    torch.testing.assert_close(
+        pol.log_probs(both).logp.detach()[4:], pol.log_probs(other).logp.detach(),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="number of steps"):
         type(b).cat([b, pol.sample(_sd3_cond(), 1, steps=2, generator=_gen()).actions])
     with pytest.raises(ValueError, match="first"):

@@ -19,14 +19,9 @@ policies/tool_formats.py.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
-import os
 import re
-import sys
 import types
 import typing
 from collections.abc import Callable
@@ -34,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grouprl.policies.agent import ParsedAction, ParseStats
+from grouprl.user_inputs import import_user_module, split_user_spec
 
 _SIMPLE_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises|Yields|Examples?|Notes?):\s*$")
@@ -219,51 +215,12 @@ def valid_utf8(text: str) -> str:
     return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
-def _import(module_part: str, spec: str) -> Any:
-    """A dotted module (the working directory on the path, as `python -m` has it) or a .py file."""
-    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
-        path = os.path.realpath(os.path.expanduser(module_part))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tool {spec!r}: file {path!r} does not exist")
-        name = "grouprl_user_tool_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-        if name in sys.modules:
-            return sys.modules[name]
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ImportError(f"tool {spec!r}: cannot load {path!r} as Python")
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)  # after the installed packages: a local file never shadows them
-    try:
-        return importlib.import_module(module_part)
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"tool {spec!r}: cannot import module {module_part!r} from the installed packages "
-            f"or the working directory {cwd!r} ({exc})"
-        ) from exc
-
-
 def load_tools(specs: list[str]) -> list[Callable[..., Any]]:
     """The functions named by "package.module:function" or "path/to/file.py:function" specs."""
     fns = []
     for spec in specs:
-        if not isinstance(spec, str) or ":" not in spec:
-            raise ValueError(
-                f"tool {spec!r} must look like 'package.module:function' or "
-                "'path/to/file.py:function'"
-            )
-        module_part, attr = spec.rsplit(":", 1)
-        if not module_part or not attr:
-            raise ValueError(f"tool {spec!r}: both the module and the function name are needed")
-        fn = getattr(_import(module_part, spec), attr, None)
+        module_part, attr = split_user_spec(spec, "tool")
+        fn = getattr(import_user_module(module_part, f"tool {spec!r}"), attr, None)
         if not callable(fn):
             raise AttributeError(f"tool {spec!r}: {module_part!r} has no function {attr!r}")
         fns.append(fn)

@@ -18,20 +18,17 @@ KeyboardInterrupt (a real Ctrl-C) propagates.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from grouprl.user_inputs import import_user_module, split_user_spec
 
 # fn(completions=..., **columns) -> one float (or None = "no reward for this sample") per completion.
 RewardFn = Callable[..., list[float | None]]
@@ -171,49 +168,10 @@ def column(columns: Mapping[str, Any], name: str, n: int, reward: str) -> Sequen
     return values
 
 
-def _load_module(module_part: str, spec: str) -> Any:
-    """Import `module_part`, a dotted module name or a path to a .py file."""
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        path = Path(module_part).expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"reward function {spec!r}: file {str(path)!r} does not exist")
-        # One module name per file, the same in every process (hash() is salted per process), so
-        # loading twice reuses the module and worker processes agree on the name.
-        name = "grouprl_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        if name in sys.modules:
-            return sys.modules[name]
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise ImportError(f"reward function {spec!r}: cannot load {str(path)!r} as Python")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
-    try:
-        return importlib.import_module(module_part)
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"reward function {spec!r}: cannot import module {module_part!r} ({exc})"
-        ) from exc
-
-
 def load_reward_fn(spec: str) -> RewardFn:
     """Load a user reward function from "package.module:function" or "path/to/file.py:function"."""
-    if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ValueError(
-            f"reward function {spec!r} must look like 'package.module:function' or "
-            "'path/to/file.py:function'"
-        )
-    module_part, attr = spec.rsplit(":", 1)
-    if not module_part or not attr:
-        raise ValueError(
-            f"reward function {spec!r}: both the module and the function name are needed"
-        )
-    module = _load_module(module_part, spec)
+    module_part, attr = split_user_spec(spec, "reward function")
+    module = import_user_module(module_part, f"reward function {spec!r}")
     if not hasattr(module, attr):
         public = sorted(
             n for n in vars(module) if callable(getattr(module, n)) and not n.startswith("_")
