@@ -180,8 +180,9 @@ def update(
 ) -> dict[str, float]:
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts.
     Several processes: each trains its share of every minibatch (grouprl/distributed.py).
-    scaler: float16's dynamic loss scaling (policies/precision.py); an overflowing update is
-    skipped and halves the scale without counting as a non-finite failure."""
+    scaler: float16's dynamic loss scaling (policies/precision.py); an update that overflows halves
+    the scale and is redone on the same minibatch (up to MAX_OVERFLOW_RETRIES times), without
+    counting as a non-finite failure."""
     scaler = scaler if scaler is not None else LossScaler(False)
     a, temp = cfg.algorithm, cfg.rollout.temperature
     # one_step_off: old_logp was scored with the sampling weights, never the current ones
@@ -192,7 +193,7 @@ def update(
     norms: list[float] = []
     n_micro = n_updates = 0
     skipped = [0, 0]  # updates skipped for a non-finite [loss, gradient norm]
-    overflows = 0  # fp16 updates skipped by the loss scaler (not failures)
+    overflows = 0  # fp16: halvings of the loss scale after an overflow (each redoes its update)
     policy.train()
     for _ in range(a.epochs):
         for mb, micro_batches in dist.split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
@@ -202,45 +203,59 @@ def update(
                 max_len=max_completion_len(cfg),
                 group_ids=rollout.group_ids[mb],
             )  # global counts of this optimizer update: tokens, sequences, groups
-            optimizer.zero_grad(set_to_none=True)
-            parts: list[dict[str, float]] = []  # metrics of this update's micro-batches
-            for k, idx in enumerate(micro_batches):
-                dist.set_sync(k == len(micro_batches) - 1)  # processes sync grads on the last
-                sub = dist.select(rollout, idx)  # an empty idx: zero-weight padding (distributed)
-                if is_images(cfg):  # flow / diffusion: rollouts/image_loss.py
-                    res, old = image_loss.micro_loss(cfg, policy, sub, counts, single_pass)
-                    if single_pass:
-                        rollout.old_logp[idx] = old
-                else:
-                    out = policy.log_probs(
-                        sub.actions, temperature=temp, with_entropy=True, entropy_grad=need_entropy
-                    )
-                    old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
-                    if single_pass:  # keep the trainer's score of the sampling weights (pi_old)
-                        rollout.old_logp[idx] = old
-                    if cfg.rollout.old_logp == "engine":
-                        old = sub.engine_logp
-                    res = total_loss(
-                        out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
-                        algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
-                        group_ids=sub.group_ids, token_scales=sub.token_scales,
-                        seq_weights=sub.seq_weights,
-                    )  # fmt: skip
-                if not torch.isfinite(res.loss) and dist.world == 1:
-                    break  # the update is skipped below (processes: all agree first)
-                dist.backward(scaler.scale_loss(res.loss))
-                if len(idx):
-                    parts.append(res.metrics)
-            finite_loss = dist.all_finite(parts, micro_batches)
-            params = policy.trainable_parameters()
-            if finite_loss:
-                scaler.unscale_(params)
-            norm = dist.clip_grad_norm(params, cfg.train.max_grad_norm) if finite_loss else math.nan
+            # float16: an update whose gradients overflow at the current loss scale is redone on
+            # the same minibatch at the halved scale (GradScaler would drop it: here a minibatch
+            # is a whole sampling round's data), at most MAX_OVERFLOW_RETRIES times
+            for attempt in range(MAX_OVERFLOW_RETRIES + 1):
+                optimizer.zero_grad(set_to_none=True)
+                parts: list[dict[str, float]] = []  # metrics of this update's micro-batches
+                for k, idx in enumerate(micro_batches):
+                    dist.set_sync(k == len(micro_batches) - 1)  # processes sync grads on the last
+                    # an empty idx: zero-weight padding (distributed)
+                    sub = dist.select(rollout, idx)
+                    if is_images(cfg):  # flow / diffusion: rollouts/image_loss.py
+                        res, old = image_loss.micro_loss(cfg, policy, sub, counts, single_pass)
+                        if single_pass:
+                            rollout.old_logp[idx] = old
+                    else:
+                        out = policy.log_probs(
+                            sub.actions,
+                            temperature=temp,
+                            with_entropy=True,
+                            entropy_grad=need_entropy,
+                        )
+                        old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
+                        if single_pass:  # keep the trainer's score of the sampling weights (pi_old)
+                            rollout.old_logp[idx] = old
+                        if cfg.rollout.old_logp == "engine":
+                            old = sub.engine_logp
+                        res = total_loss(
+                            out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
+                            algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
+                            group_ids=sub.group_ids, token_scales=sub.token_scales,
+                            seq_weights=sub.seq_weights,
+                        )  # fmt: skip
+                    if not torch.isfinite(res.loss) and dist.world == 1:
+                        break  # the update is skipped below (processes: all agree first)
+                    dist.backward(scaler.scale_loss(res.loss))
+                    if len(idx):
+                        parts.append(res.metrics)
+                finite_loss = dist.all_finite(parts, micro_batches)
+                params = policy.trainable_parameters()
+                if finite_loss:
+                    scaler.unscale_(params)
+                norm = (
+                    dist.clip_grad_norm(params, cfg.train.max_grad_norm)
+                    if finite_loss
+                    else math.nan
+                )
+                overflow = not math.isfinite(norm) and finite_loss and scaler.skip()
+                overflows += int(overflow)  # each halving of the scale
+                if not overflow or attempt == MAX_OVERFLOW_RETRIES:
+                    break
             if not math.isfinite(norm):  # NaN/inf loss or gradient: skip this one update
                 optimizer.zero_grad(set_to_none=True)
-                if finite_loss and scaler.skip():  # fp16 overflow: a smaller scale next time
-                    overflows += 1
-                else:
+                if not overflow:  # an fp16 overflow left after the retries is not a failure
                     skipped[0 if not finite_loss else 1] += 1
                 _advance_schedule_only(scheduler)
                 continue
@@ -261,7 +276,7 @@ def update(
     metrics["skipped_nonfinite"] = float(sum(skipped))  # updates skipped: [loss, gradient]
     metrics["skipped_nonfinite/loss"], metrics["skipped_nonfinite/grad"] = map(float, skipped)
     if scaler.enabled:
-        metrics["amp/loss_scale"], metrics["amp/overflow_skipped"] = scaler.scale, float(overflows)
+        metrics["amp/loss_scale"], metrics["amp/overflows"] = scaler.scale, float(overflows)
     return metrics
 
 
@@ -295,7 +310,8 @@ def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
-_GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a group
+_GROUP_SURROGATES = {"tpo"}
+MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one minibatch (2^16 -> 1)  # losses defined over whole groups: never split a group
 
 
 # ---- the loop -----------------------------------------------------------------------------------

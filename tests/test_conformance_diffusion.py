@@ -165,12 +165,9 @@ def test_two_steps_in_own_dtype_all_saved_tensors_finite(trained, name):
     assert cfg.model.dtype == load_config(CONFIGS / f"{name}.yaml").model.dtype  # not overridden
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    for r in rows:  # float16: an overflow halves the loss scale and redoes the update
         assert r["skipped_nonfinite"] == 0.0, r
-        if r.get("amp/overflow_skipped") and r.get("grad_norm") is None:
-            continue  # float16: every update of this step overflowed at the initial loss scale
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
-    assert any(r.get("grad_norm") is not None for r in rows), "no update in two steps"
     ckpt = CheckpointManager(run_dir).latest()
     files = sorted(ckpt.rglob("*.safetensors"))
     assert files
@@ -207,19 +204,21 @@ def _policy(cfg, ckpt: Path):
     return policy.eval()
 
 
-def _denoise(policy, model, x, sigma):
+def _denoise(policy, model, x, sigma, dtype):
     """One denoiser call through grouprl's family call, without CFG: [1, *latent] float32."""
     from grouprl.policies.flow_models import predict
 
     timestep = torch.tensor([500.0]) if policy.family.name == "unet" else sigma * 1000
     cond = policy.encode([PROMPT]) if policy.prompt_encoder is not None else None
     embeds = cond.embeds if cond is not None else {"class_labels": torch.tensor([3])}
-    from grouprl.policies.precision import compute, compute_dtype_of
+    from grouprl.policies.precision import compute
 
-    # as the policy calls it: under autocast in the dtype the weights are stored in (Wan keeps
-    # some modules in float32, so a plain cast of the inputs would not do)
-    with torch.no_grad(), compute(compute_dtype_of(model), "cpu"):
+    # as the policy calls it: under autocast in the run's dtype (Wan keeps some modules in float32,
+    # so a plain cast of the inputs would not do; on a tiny replica the float32 LoRA weights can
+    # outnumber the base's, so the dtype is the config's, not read off the weights)
+    with torch.no_grad(), compute(dtype, "cpu"):
         return predict(policy.family, model, x, sigma=sigma, timestep=timestep, cond=embeds,
+                       dtype=dtype,
                        negative=None, guidance_scale=torch.ones(1),
                        guidance=torch.full((1,), 3.5))  # fmt: skip
 
@@ -249,8 +248,8 @@ def test_checkpoint_loads_where_users_load_it_and_matches_the_policy(trained, re
         assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # the trained adapter, loaded
     x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.6])
-    ours = _denoise(policy, policy.model, x, sigma)
-    theirs = _denoise(policy, denoiser, x, sigma)
+    ours = _denoise(policy, policy.model, x, sigma, dtype)
+    theirs = _denoise(policy, denoiser, x, sigma, dtype)
     err = float((ours - theirs).norm() / ours.norm())
     assert torch.isfinite(ours).all() and err <= TOLERANCE[cfg.model.dtype], err
     if CASES[name].replica is not None:  # the loaded pipeline draws finite images
@@ -295,8 +294,8 @@ def test_full_finetune_saves_a_pipeline_folder_diffusers_loads(replicas, tmp_pat
     cfg = load_config(CONFIGS / "sd3_diffusion_nft.yaml", over)
     policy = _policy(cfg, ckpt)
     x = torch.randn(1, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
-    ours = _denoise(policy, policy.model, x, torch.tensor([0.6]))
-    theirs = _denoise(policy, pipe.transformer, x, torch.tensor([0.6]))
+    ours = _denoise(policy, policy.model, x, torch.tensor([0.6]), torch.bfloat16)
+    theirs = _denoise(policy, pipe.transformer, x, torch.tensor([0.6]), torch.bfloat16)
     assert float((ours - theirs).norm() / ours.norm()) <= TOLERANCE["bfloat16"]
 
 

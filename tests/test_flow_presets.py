@@ -112,17 +112,21 @@ def test_likelihood_free_presets_pick_their_objective_and_an_ode_sampler():
 
 
 def test_the_users_values_win_and_a_partial_lora_mapping_is_completed():
-    cfg = resolve(
-        "flow_grpo",
-        diffusion={"noise_level": 0.9, "guidance_scale": 1.0},
-        rollout={"group_size": 4},
-        model={"name_or_path": "x", "lora": {"r": 8}},
-    )
+    with pytest.warns(UserWarning, match=r"cannot apply all its settings.*noise_level=0\.9"):
+        cfg = validate(  # the user's values are kept, and the warning names each blocked key
+            {**MINIMAL, "diffusion": {"noise_level": 0.9, "guidance_scale": 1.0},
+             "rollout": {"group_size": 4}, "model": {"name_or_path": "x", "lora": {"r": 8}},
+             "algorithm": {"preset": "flow_grpo"}}
+        )  # fmt: skip
     assert (cfg.diffusion.noise_level, cfg.diffusion.guidance_scale) == (0.9, 1.0)
     assert cfg.diffusion.rollout_steps == 10 and cfg.rollout.group_size == 4
     assert (cfg.model.lora.r, cfg.model.lora.alpha) == (8, 64)  # the rest from the preset
     assert "attn.to_q" in cfg.model.lora.target_modules
-    full = resolve("flow_grpo", model={"name_or_path": "x", "lora": None})
+    with pytest.warns(UserWarning, match=r"model\.lora=None"):
+        full = validate(
+            {**MINIMAL, "model": {"name_or_path": "x", "lora": None},
+             "algorithm": {"preset": "flow_grpo"}}
+        )  # fmt: skip
     assert full.model.lora is None  # null = full fine-tuning, not overridden
 
 

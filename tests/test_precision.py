@@ -216,3 +216,29 @@ def test_text_bf16_full_finetune_at_lr_1e_6_changes_almost_every_weight(tmp_path
         total += v.numel()
     print("share of weights changed:", changed / total)
     assert changed / total > 0.95, changed / total
+
+
+def test_fp16_overflow_redoes_the_update_on_the_same_minibatch(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """A float16 update whose gradients overflow halves the loss scale and is redone on the same
+    minibatch (a whole sampling round: dropping it, as GradScaler does, would waste the rollouts).
+    A starting scale of 2^120 overflows float32 itself, so the first update needs many halvings:
+    it must still happen, with the loss scale where the gradients became finite."""
+    import grouprl.train as train_mod
+    from grouprl.policies.precision import LossScaler
+
+    monkeypatch.setattr(
+        train_mod, "loss_scaler_for", lambda dtype: LossScaler(True, init_scale=2.0**120)
+    )
+    monkeypatch.setattr(train_mod, "MAX_OVERFLOW_RETRIES", 200)
+    train(_text_cfg(tmp_path, tiny_model_dir, "float16", 1, 1e-3))
+    (row,) = [
+        r
+        for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
+    assert row["skipped_nonfinite"] == 0.0 and row["grad_norm"] > 0 and math.isfinite(row["loss"])
+    assert row["amp/overflows"] >= 1 and row["amp/loss_scale"] == 2.0 ** (
+        120 - row["amp/overflows"]
+    )
