@@ -440,7 +440,7 @@ def main(cfg: dict) -> None:
     os.close(cfg["spec_fd"])
     status = os.waitpid(child, 0)[1]
     relayed = os.read(status_r, 64)
-    if relayed:
+    if relayed.isdigit() and len(relayed) < 12:  # a wait status; anything else is not the reaper's
         status = int(relayed)
     result = {"status": status, "oom_kills": oom_kills(cfg["cgroup"])}
     _cleanup(cfg)

@@ -164,10 +164,11 @@ def _launch(
         "memory_exit": MEMORY_EXIT,
         "extra_path": site_packages() if libraries == "site-packages" else [],
     }  # fmt: skip
-    if mode != "trusted" and not as_root:
-        runner_cfg["nproc"] = 0  # the user namespace's uid is ours: pids.max bounds it
-    if as_root and mode != "trusted":
-        runner_cfg["nproc"] = BASE_TASKS + EXTRA_TASKS  # uid nobody in the sandbox
+    if mode != "trusted":
+        # the call's cgroup (pids.max) bounds its tasks. RLIMIT_NPROC would count every task of
+        # the uid host-wide: all concurrent calls run as uid nobody, so one call's forks would
+        # make fork() and threads fail in the others
+        runner_cfg["nproc"] = 0
     env = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work}
     env |= {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     spec_fd = _memfd("grouprl-spec", json.dumps({"code": code}).encode("utf-8", "surrogatepass"),
