@@ -583,8 +583,15 @@ def test_processes_and_threads_are_bounded_per_call(mode):
 
 
 HOG = """
-import os, time
+import ctypes, os, time
 open("/tmp/secret-hog", "w").write("hog")
+for _ in range(3):  # 3 x 60 inotify instances: more than a uid may hold (fs.inotify, 128)
+    if os.fork() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for _ in range(60):
+            libc.inotify_init1(0)
+        time.sleep(4)
+        os._exit(0)
 n = 0
 try:
     for _ in range(100):
@@ -614,20 +621,25 @@ try:
         n += 1
 except OSError as e:
     print("fork failed", e.errno)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print("inotify", "ok" if libc.inotify_init1(0) >= 0 else os.strerror(ctypes.get_errno()))
 print("forked", n, sorted(s for s in seen if s.startswith("secret")))
 """
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_concurrent_calls_neither_see_nor_starve_each_other(mode):
-    """All calls run as the same uid (nobody): a per-uid limit (RLIMIT_NPROC) would let one call's
-    forks make fork() fail in every other call; the per-call cgroup is the bound."""
+    """The kernel counts some resources per uid, across namespaces (processes under RLIMIT_NPROC,
+    inotify instances, ...): had all calls one uid (nobody), one call could make fork() or
+    inotify_init fail in every other call. Each call has its own uid; the cgroup bounds tasks."""
     with ThreadPoolExecutor(2) as pool:
         hog = pool.submit(run, HOG, mode)
         neighbour = run(NEIGHBOUR, mode)
         hog = hog.result()
     assert hog.stdout.startswith("hog 11"), hog  # the hog hit its own call's limit
-    assert neighbour.stdout.splitlines()[-1] == "forked 8 []", (neighbour.stdout, neighbour.stderr)
+    last = neighbour.stdout.splitlines()[-2:]
+    assert last == ["inotify ok", "forked 8 []"], (neighbour.stdout, neighbour.stderr)
 
 
 # --------------------------------------------------------------- tampering with the guards
