@@ -120,27 +120,28 @@ def run_python(
     cgroups.reap_stale()
     if mode == "trusted":
         _reap_stale_dirs()
-    cg = None
-    if mode != "trusted" or cgroups.available():
-        if not cgroups.available():
-            raise SandboxSetupError(
-                f"isolation={mode!r} needs per-call cgroups: {cgroups.why_unavailable()}"
-            )
-        tasks = BASE_TASKS + EXTRA_TASKS + (1 if mode == "bwrap" else 0)
-        cg = cgroups.create((memory_mb + OVERHEAD_MB) << 20, tasks, cpus=1.0)
-    work = WORK
     uid, uid_lock = (0, None) if mode == "trusted" or os.geteuid() != 0 else _claim_uid()
-    if mode == "trusted":
-        work = os.path.realpath(tempfile.mkdtemp(prefix=f"{TRUSTED_PREFIX}{_owner_tag()}-"))
+    cg, work = None, WORK
     try:
+        if mode != "trusted" or cgroups.available():
+            if not cgroups.available():
+                raise SandboxSetupError(
+                    f"isolation={mode!r} needs per-call cgroups: {cgroups.why_unavailable()}"
+                )
+            tasks = BASE_TASKS + EXTRA_TASKS + (1 if mode == "bwrap" else 0)
+            cg = cgroups.create((memory_mb + OVERHEAD_MB) << 20, tasks, cpus=1.0)
+        if mode == "trusted":
+            work = os.path.realpath(tempfile.mkdtemp(prefix=f"{TRUSTED_PREFIX}{_owner_tag()}-"))
         return _launch(code, stdin, mode, cg, work, timeout_s, memory_mb, audit_hooks, output_cap,
                        disk_mb, libraries, uid, uid_lock)  # fmt: skip
     finally:
-        kill_cgroup(cg)
-        if uid_lock is not None:
-            os.close(uid_lock)  # the keeper holds it too, until its cleanup is done
-        if mode == "trusted":
-            remove_tree(work)
+        try:
+            kill_cgroup(cg)
+        finally:
+            if uid_lock is not None:
+                os.close(uid_lock)  # the keeper holds it too, until its cleanup is done
+            if mode == "trusted" and work != WORK:  # WORK is the sandbox's /tmp, not a host dir
+                remove_tree(work)
 
 
 def _claim_uid() -> tuple[int, int]:
