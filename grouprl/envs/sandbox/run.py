@@ -18,6 +18,7 @@ import os
 import secrets
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,9 @@ def _claim_uid() -> tuple[int, int]:
     base = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
     folder = os.path.join(base, "grouprl-sandbox-uids")
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)  # not someone else's folder or a link planted in a shared /tmp
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise SandboxSetupError(f"{folder} is not a private folder of uid {os.geteuid()}")
     first, count = CALL_UIDS
     start = secrets.randbelow(count)
     for i in range(count):
