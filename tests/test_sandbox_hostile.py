@@ -113,8 +113,9 @@ def _cgroups_of(pid: int) -> list[str]:
 
 # ------------------------------------------------------------------------ filesystem: reads
 @pytest.mark.parametrize("mode", MODES)
-def test_reads_outside_are_impossible(mode, tmp_path):
+def test_reads_outside_are_impossible(mode, tmp_path, monkeypatch):
     token = secrets.token_hex(8)
+    monkeypatch.setenv("GROUPRL_HOSTILE_SECRET", f"env-{token}")  # the trainer's environment
     home = os.path.expanduser("~")
     home_secret = os.path.join(home, f".grouprl-hostile-{token}")
     private = tmp_path / "trainer-secret.txt"  # 0600, outside $HOME
@@ -151,6 +152,9 @@ attempt("dev", lambda: os.listdir("/dev") if not set(os.listdir("/dev")) <= {{"n
         "shm", "console", "core"}} else 1 / 0)
 attempt("dev_shm_host", lambda: os.listdir("/dev/shm") or 1 / 0)
 attempt("run_sockets", lambda: os.listdir("/run"))
+attempt("environ", lambda: [v for v in os.environ.values() if v.startswith("env-")] or 1 / 0)
+attempt("environ_pids", lambda: [p for p in os.listdir("/proc") if p.isdigit() and b"env-" in
+        open(f"/proc/{{p}}/environ", "rb").read()] or 1 / 0)
 print(json.dumps(out))
 """,
             mode,
@@ -160,7 +164,7 @@ print(json.dumps(out))
         # root_entries and etc allow a few names; anything else counts as an escape
         assert not leaked, leaked
         # host-side: none of the secrets is anywhere in what came back
-        for needle in (f"home-{token}", f"private-{token}", "root:", "# grouprl"):
+        for needle in (f"home-{token}", f"private-{token}", f"env-{token}", "root:", "# grouprl"):
             assert needle not in r.stdout + r.stderr
     finally:
         os.unlink(home_secret)
