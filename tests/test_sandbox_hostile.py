@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -112,8 +113,9 @@ def _cgroups_of(pid: int) -> list[str]:
 
 # ------------------------------------------------------------------------ filesystem: reads
 @pytest.mark.parametrize("mode", MODES)
-def test_reads_outside_are_impossible(mode, tmp_path):
+def test_reads_outside_are_impossible(mode, tmp_path, monkeypatch):
     token = secrets.token_hex(8)
+    monkeypatch.setenv("GROUPRL_HOSTILE_SECRET", f"env-{token}")  # the trainer's environment
     home = os.path.expanduser("~")
     home_secret = os.path.join(home, f".grouprl-hostile-{token}")
     private = tmp_path / "trainer-secret.txt"  # 0600, outside $HOME
@@ -150,6 +152,9 @@ attempt("dev", lambda: os.listdir("/dev") if not set(os.listdir("/dev")) <= {{"n
         "shm", "console", "core"}} else 1 / 0)
 attempt("dev_shm_host", lambda: os.listdir("/dev/shm") or 1 / 0)
 attempt("run_sockets", lambda: os.listdir("/run"))
+attempt("environ", lambda: [v for v in os.environ.values() if v.startswith("env-")] or 1 / 0)
+attempt("environ_pids", lambda: [p for p in os.listdir("/proc") if p.isdigit() and b"env-" in
+        open(f"/proc/{{p}}/environ", "rb").read()] or 1 / 0)
 print(json.dumps(out))
 """,
             mode,
@@ -159,7 +164,7 @@ print(json.dumps(out))
         # root_entries and etc allow a few names; anything else counts as an escape
         assert not leaked, leaked
         # host-side: none of the secrets is anywhere in what came back
-        for needle in (f"home-{token}", f"private-{token}", "root:", "# grouprl"):
+        for needle in (f"home-{token}", f"private-{token}", f"env-{token}", "root:", "# grouprl"):
             assert needle not in r.stdout + r.stderr
     finally:
         os.unlink(home_secret)
@@ -233,6 +238,34 @@ attempt("userfaultfd", lambda: sys_call("syscall", 323 if os.uname().machine == 
 attempt("perf", lambda: sys_call("syscall", 298 if os.uname().machine == "x86_64" else 241, 0, 0, -1, -1, 0))
 attempt("clone_newuser", lambda: sys_call("syscall", 56 if os.uname().machine == "x86_64" else 220,
         0x10000000 | 17, 0, 0, 0, 0))
+# clone3's flags sit behind a pointer: it must be refused outright, with ENOSYS (libc falls back)
+attempt("clone3", lambda: sys_call("syscall", 435, 0, 0) or 1)
+attempt("clone3_enosys", lambda: (rc, ctypes.get_errno()) if (rc := libc.syscall(435, 0, 0)) != -1
+        or ctypes.get_errno() != errno.ENOSYS else 1 / 0)
+# the new mount API, all of it (open_tree_attr: kernel 6.15), and other calls of the deny list
+for name, nr in (("open_tree", 428), ("open_tree_attr", 467), ("fsopen", 430), ("fspick", 433),
+                 ("mount_setattr", 442), ("memfd_secret", 447), ("kcmp", 312),
+                 ("personality", 135), ("fanotify_init", 300)):
+    if os.uname().machine == "x86_64" or nr >= 400:  # the filter's EPERM, not a bad argument
+        attempt(name, lambda nr=nr: (rc, ctypes.get_errno()) if (rc := libc.syscall(
+            nr, -100, b"/", 0, 0, 0)) != -1 or ctypes.get_errno() != errno.EPERM else 1 / 0)
+def other_abi(kind):
+    # in a child: the filter kills the whole process on another ABI (x32, i386 int 0x80)
+    import mmap
+    pid = os.fork()
+    if pid == 0:
+        if kind == "x32":
+            libc.syscall(0x40000000 | 39)  # getpid through the x32 ABI
+        else:  # mov eax, 20 (i386 getpid); int 0x80; ret
+            buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+            buf.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))
+            ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))()
+        os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    return status if status != 31 else 1 / 0  # 31: SIGSYS
+if os.uname().machine == "x86_64":
+    attempt("x32_abi", lambda: other_abi("x32"))
+    attempt("i386_int80", lambda: other_abi("i386"))
 print(json.dumps(out))
 """,
         mode,
@@ -240,6 +273,7 @@ print(json.dumps(out))
     report = probes(r)
     assert not {k: v for k, v in report.items() if v.startswith("ESCAPED")}, report
     assert "Operation not permitted" in report["unshare_user"]
+    assert "ZeroDivisionError" in report["clone3_enosys"]  # ENOSYS, not EPERM
 
 
 # --------------------------------------------------------------------------------- network
@@ -336,6 +370,33 @@ if CONFINED:
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_code_cannot_take_over_the_sandboxs_pid_1(mode):
+    """pid 1 of the call (the reaper) runs as the code's uid and holds the pipe on which the code's
+    exit status goes to the host. Were it dumpable, the code could open /proc/1/mem for writing
+    (take it over and report any status) or reach its fds through /proc/1/fd."""
+    r = run(
+        PROBE_LIB
+        + """
+attempt("pid1_mem_rw", lambda: os.close(os.open("/proc/1/mem", os.O_RDWR)))  # opened, not written
+attempt("pid1_mem_read", lambda: os.close(os.open("/proc/1/mem", os.O_RDONLY)))
+attempt("pid1_fds", lambda: os.listdir("/proc/1/fd"))
+attempt("pid1_environ", lambda: open("/proc/1/environ", "rb").read())
+attempt("pid1_maps", lambda: open("/proc/1/maps").read()[:80])
+attempt("inherited_fds", lambda: fds if (fds := sorted(set(os.listdir("/proc/self/fd"))
+        - {"0", "1", "2"})) != [str(max(int(f) for f in fds))] else 1 / 0)  # only listdir's own
+attempt("own_proc", lambda: os.listdir("/proc/self/fd") and 1 / 0)  # the code's own: still there
+print(json.dumps(out), flush=True)
+sys.exit(3)
+""",
+        mode,
+    )
+    report = probes(r)
+    assert "ZeroDivisionError" in report.pop("own_proc")
+    assert not {k: v for k, v in report.items() if v.startswith("ESCAPED")}, report
+    assert (r.reason, r.returncode) == ("error", 3)  # host side: the real exit status came back
 
 
 # ------------------------------------------------------------------------ process lifetime
@@ -523,6 +584,66 @@ def test_processes_and_threads_are_bounded_per_call(mode):
     )
     assert int(threads.split()[1]) <= BASE_TASKS + EXTRA_TASKS
     assert _cgroups_of(os.getpid()) == []
+
+
+HOG = """
+import ctypes, os, time
+open("/tmp/secret-hog", "w").write("hog")
+for _ in range(3):  # 3 x 60 inotify instances: more than a uid may hold (fs.inotify, 128)
+    if os.fork() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for _ in range(60):
+            libc.inotify_init1(0)
+        time.sleep(4)
+        os._exit(0)
+n = 0
+try:
+    for _ in range(100):
+        if os.fork() == 0:
+            time.sleep(4)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("hog", e.errno, n, flush=True)
+time.sleep(3)
+"""
+NEIGHBOUR = """
+import os, time
+time.sleep(1.0)  # the hog has forked all it may by now
+seen = set(os.listdir("/tmp"))
+for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        seen |= set(os.listdir(f"/proc/{p}/root/tmp"))
+    except OSError:
+        pass
+n = 0
+try:
+    for _ in range(8):
+        if os.fork() == 0:
+            time.sleep(1)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("fork failed", e.errno)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print("inotify", "ok" if libc.inotify_init1(0) >= 0 else os.strerror(ctypes.get_errno()))
+print("forked", n, sorted(s for s in seen if s.startswith("secret")))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrent_calls_neither_see_nor_starve_each_other(mode):
+    """The kernel counts some resources per uid, across namespaces (processes under RLIMIT_NPROC,
+    inotify instances, ...): had all calls one uid (nobody), one call could make fork() or
+    inotify_init fail in every other call. Each call has its own uid; the cgroup bounds tasks."""
+    with ThreadPoolExecutor(2) as pool:
+        hog = pool.submit(run, HOG, mode)
+        neighbour = run(NEIGHBOUR, mode)
+        hog = hog.result()
+    assert hog.stdout.startswith("hog 11"), hog  # the hog hit its own call's limit
+    last = neighbour.stdout.splitlines()[-2:]
+    assert last == ["inotify ok", "forked 8 []"], (neighbour.stdout, neighbour.stderr)
 
 
 # --------------------------------------------------------------- tampering with the guards

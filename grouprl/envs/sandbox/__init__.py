@@ -4,8 +4,8 @@
 ("auto" picks the first that works of "namespaces", "bwrap"; "trusted" is never picked):
 
 - the code runs as a fresh `python -I -S` in new mount, PID, network, IPC, UTS and cgroup
-  namespaces (plus a user namespace under bwrap); as uid 65534 with no capability, an empty
-  bounding set and no_new_privs when the trainer is root;
+  namespaces (plus a user namespace under bwrap); as a uid of its own (run.CALL_UIDS) with no
+  capability, an empty bounding set and no_new_privs when the trainer is root;
 - its root is a fresh read-only tmpfs holding only binds of the interpreter, its standard library,
   the system libraries (and site-packages with libraries="site-packages"), a minimal /dev (null,
   zero, random, urandom), the PID namespace's /proc (sys read-only) and one size-bounded tmpfs at

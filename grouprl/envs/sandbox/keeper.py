@@ -17,7 +17,7 @@ child (joins the cgroup first, so everything it becomes is counted and killed th
     standard library, the system libraries, optionally site-packages; /dev with null, zero, random,
     urandom; one size-bounded tmpfs at /tmp, the only writable place; /proc of the new PID
     namespace with /proc/sys read-only), pivot_root into it and detach the old root; then the
-    capability bounding set and the ambient set emptied, uid / gid 65534 (nobody) when root, all
+    capability bounding set and the ambient set emptied, the call's own uid / gid when root, all
     capabilities gone, no_new_privs, the seccomp filter; then exec of `python -I -S -c RUNNER`.
   - "bwrap": the same uid drop (when root: bwrap then builds an unprivileged user namespace, so
     host root files and sysctls are not the sandbox's), then exec of bwrap with the same root,
@@ -50,7 +50,6 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_CHILD
 )
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
 SECCOMP_MODE_FILTER = 2
-NOBODY = 65534  # the uid / gid the code runs as when the trainer is root
 SETUP_FAILED = 70
 
 
@@ -275,15 +274,16 @@ def _build_root(call, cfg: dict) -> None:
             call("mount", None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
 
 
-def _drop_privileges(call, ctypes, cap_last: int) -> None:
-    """Bounding and ambient sets emptied, uid/gid nobody when root, no capabilities, no_new_privs."""
+def _drop_privileges(call, ctypes, cap_last: int, uid: int) -> None:
+    """Bounding and ambient sets emptied, the call's own uid/gid when root, no capabilities,
+    no_new_privs."""
     if os.geteuid() == 0:
         for cap in range(cap_last + 1):
             call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
         call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
         os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     call("capset", header, (ctypes.c_uint32 * 6)())  # effective, permitted, inheritable: none
     call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
@@ -328,7 +328,7 @@ def _child_namespaces(cfg: dict) -> None:
     call("unshare", CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
     _build_root(call, cfg)
     call("sethostname", b"sandbox", 7)
-    _drop_privileges(call, ctypes, cap_last)
+    _drop_privileges(call, ctypes, cap_last, cfg["uid"])
     install_seccomp(call, ctypes, program)
     _keep_fds(set(cfg["keep_fds"]))
     os.chdir("/tmp")
@@ -337,7 +337,7 @@ def _child_namespaces(cfg: dict) -> None:
 
 def _stage_sources(call, binds: list[str]) -> list[str]:
     """As root, in a private mount namespace: bind each source at /tmp/<i> of a fresh tmpfs, so
-    that bwrap, run as nobody, can reach sources below directories only root may walk (pyenv's
+    that bwrap, run as the call's uid, can reach sources below directories only root may walk (pyenv's
     interpreter under /root). Returns the staged paths."""
     call("unshare", CLONE_NEWNS)
     call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
@@ -358,6 +358,7 @@ def _stage_sources(call, binds: list[str]) -> list[str]:
 
 def _child_bwrap(cfg: dict) -> None:
     call, ctypes = _libc()
+    uid = cfg["uid"]
     as_root = os.geteuid() == 0
     args = [cfg["bwrap"], "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1"]
     args += ["--cap-drop", "ALL", "--hostname", "sandbox", "--seccomp", str(cfg["seccomp_fd"])]
@@ -382,8 +383,8 @@ def _child_bwrap(cfg: dict) -> None:
     args += _runner_argv(cfg)
     if as_root:  # bwrap then makes an unprivileged user namespace: host root is not ours
         os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _keep_fds(set(cfg["keep_fds"]) | {cfg["seccomp_fd"]})
     os.execve(cfg["bwrap"], args, cfg["env"])
@@ -440,7 +441,7 @@ def main(cfg: dict) -> None:
     os.close(cfg["spec_fd"])
     status = os.waitpid(child, 0)[1]
     relayed = os.read(status_r, 64)
-    if relayed:
+    if relayed.isdigit() and len(relayed) < 12:  # a wait status; anything else is not the reaper's
         status = int(relayed)
     result = {"status": status, "oom_kills": oom_kills(cfg["cgroup"])}
     _cleanup(cfg)

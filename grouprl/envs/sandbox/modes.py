@@ -3,7 +3,7 @@
 - "namespaces": the keeper builds the sandbox itself (keeper.py); needs root (the user-namespace
   variant for unprivileged users is not built: use "bwrap" there) and per-call cgroups.
 - "bwrap": the same root, namespaces, seccomp filter and cgroups through bubblewrap; needs `bwrap`
-  on PATH, user namespaces (bwrap makes one; as root we run it as uid 65534) and cgroups.
+  on PATH, user namespaces (bwrap makes one; as root we run it as the call's own uid) and cgroups.
 - "trusted": no kernel isolation (rlimits, audit hooks, a private host directory, the keeper's
   subreaper kill, the cgroup where one can be made): for code you trust. Never picked by "auto".
 "auto" takes the first of namespaces, bwrap that runs `print(6 * 7)` here (probed once per

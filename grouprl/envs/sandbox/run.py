@@ -15,8 +15,10 @@ import fcntl
 import json
 import math
 import os
+import secrets
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,11 @@ NOFILE = 64  # open files per process (RLIMIT_NOFILE)
 OVERHEAD_MB = 48  # interpreters of the reaper and the set-up, charged to the call's memory cgroup
 MEMORY_EXIT = 86  # exit code of the runner when the user code ran out of memory
 TRUSTED_PREFIX = "grouprl-sandbox-"
+# As root, each call runs as a uid of its own from this range (first, count), held by a lock while
+# the call lives. The kernel keeps per-uid counters across namespaces (inotify instances and
+# watches, pending signals, message-queue bytes, pipe buffers, processes): with one uid for all
+# calls, one call could exhaust them for every other call and for the host's `nobody`.
+CALL_UIDS = (1_900_000_000, 1024)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _KEEPER, _RUNNER = os.path.join(_HERE, "keeper.py"), os.path.join(_HERE, "runner.py")
 
@@ -114,24 +121,52 @@ def run_python(
     cgroups.reap_stale()
     if mode == "trusted":
         _reap_stale_dirs()
-    cg = None
-    if mode != "trusted" or cgroups.available():
-        if not cgroups.available():
-            raise SandboxSetupError(
-                f"isolation={mode!r} needs per-call cgroups: {cgroups.why_unavailable()}"
-            )
-        tasks = BASE_TASKS + EXTRA_TASKS + (1 if mode == "bwrap" else 0)
-        cg = cgroups.create((memory_mb + OVERHEAD_MB) << 20, tasks, cpus=1.0)
-    work = WORK
-    if mode == "trusted":
-        work = os.path.realpath(tempfile.mkdtemp(prefix=f"{TRUSTED_PREFIX}{_owner_tag()}-"))
+    uid, uid_lock = (0, None) if mode == "trusted" or os.geteuid() != 0 else _claim_uid()
+    cg, work = None, WORK
     try:
-        return _launch(code, stdin, mode, cg, work, timeout_s, memory_mb, audit_hooks, output_cap,
-                       disk_mb, libraries)  # fmt: skip
-    finally:
-        kill_cgroup(cg)
+        if mode != "trusted" or cgroups.available():
+            if not cgroups.available():
+                raise SandboxSetupError(
+                    f"isolation={mode!r} needs per-call cgroups: {cgroups.why_unavailable()}"
+                )
+            tasks = BASE_TASKS + EXTRA_TASKS + (1 if mode == "bwrap" else 0)
+            cg = cgroups.create((memory_mb + OVERHEAD_MB) << 20, tasks, cpus=1.0)
         if mode == "trusted":
-            remove_tree(work)
+            work = os.path.realpath(tempfile.mkdtemp(prefix=f"{TRUSTED_PREFIX}{_owner_tag()}-"))
+        return _launch(code, stdin, mode, cg, work, timeout_s, memory_mb, audit_hooks, output_cap,
+                       disk_mb, libraries, uid, uid_lock)  # fmt: skip
+    finally:
+        try:
+            kill_cgroup(cg)
+        finally:
+            if uid_lock is not None:
+                os.close(uid_lock)  # the keeper holds it too, until its cleanup is done
+            if mode == "trusted" and work != WORK:  # WORK is the sandbox's /tmp, not a host dir
+                remove_tree(work)
+
+
+def _claim_uid() -> tuple[int, int]:
+    """A uid of CALL_UIDS that no live call holds: an exclusive flock on a file named after it
+    (released by the kernel when its last holder, this process or the keeper, is gone).
+    Returns (uid, the lock's fd)."""
+    base = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+    folder = os.path.join(base, "grouprl-sandbox-uids")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)  # not someone else's folder or a link planted in a shared /tmp
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise SandboxSetupError(f"{folder} is not a private folder of uid {os.geteuid()}")
+    first, count = CALL_UIDS
+    start = secrets.randbelow(count)
+    for i in range(count):
+        uid = first + (start + i) % count
+        fd = os.open(os.path.join(folder, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise SandboxSetupError(f"all {count} per-call uids are in use ({folder})")
 
 
 def _owner_tag() -> str:
@@ -154,7 +189,19 @@ def _reap_stale_dirs() -> None:
 
 
 def _launch(
-    code, stdin, mode, cg, work, timeout_s, memory_mb, audit_hooks, cap, disk_mb, libraries
+    code,
+    stdin,
+    mode,
+    cg,
+    work,
+    timeout_s,
+    memory_mb,
+    audit_hooks,
+    cap,
+    disk_mb,
+    libraries,
+    uid,
+    uid_lock,
 ):
     as_root = os.geteuid() == 0
     runner_cfg = {
@@ -164,10 +211,11 @@ def _launch(
         "memory_exit": MEMORY_EXIT,
         "extra_path": site_packages() if libraries == "site-packages" else [],
     }  # fmt: skip
-    if mode != "trusted" and not as_root:
-        runner_cfg["nproc"] = 0  # the user namespace's uid is ours: pids.max bounds it
-    if as_root and mode != "trusted":
-        runner_cfg["nproc"] = BASE_TASKS + EXTRA_TASKS  # uid nobody in the sandbox
+    if mode != "trusted":
+        # the call's cgroup (pids.max) bounds its tasks. RLIMIT_NPROC would count every task of
+        # the uid host-wide: were the uid shared with other calls (not root) or other host
+        # processes, one call's forks would make fork() and threads fail there
+        runner_cfg["nproc"] = 0
     env = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work}
     env |= {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     spec_fd = _memfd("grouprl-spec", json.dumps({"code": code}).encode("utf-8", "surrogatepass"),
@@ -180,16 +228,16 @@ def _launch(
     cfg = {
         "mode": mode, "owner_pid": os.getpid(), "cgroup": cg, "env": env,
         "python": os.path.realpath(sys.executable), "runner": _RUNNER, "runner_cfg": runner_cfg,
-        "layout": root_layout(libraries, disk_mb, 65534 if as_root else 0) if mode != "trusted" else [],
+        "layout": root_layout(libraries, disk_mb, uid) if mode != "trusted" else [],
         "ready_fd": ready_w, "spec_fd": spec_fd, "seccomp_fd": seccomp_fd, "result_fd": result_w,
-        "bwrap": modes.bwrap_path() if mode == "bwrap" else None,
+        "bwrap": modes.bwrap_path() if mode == "bwrap" else None, "uid": uid, "uid_lock": uid_lock,
     }  # fmt: skip
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", _KEEPER, json.dumps(cfg)],
             stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", env=env,
-            start_new_session=True, pass_fds=(ready_w, spec_fd, seccomp_fd, result_w),
+            start_new_session=True, pass_fds=(ready_w, spec_fd, seccomp_fd, result_w, *([uid_lock] if uid_lock else [])),
         )  # fmt: skip
     finally:
         for fd in (ready_w, spec_fd, stdin_fd, seccomp_fd, result_w):

@@ -110,6 +110,7 @@ def _install_hooks(work, kernel_boundary):
 
 
 def _user(cfg):
+    _set_dumpable(1)
     os.close(cfg["status_fd"])
     os.setsid()  # kill(0, ...) then reaches this process group only
     try:  # the OOM killer's first choice is the user's code, not the reaper
@@ -159,8 +160,21 @@ def _reaper(cfg, child):
     os._exit(0 if status is not None else 1)
 
 
+def _set_dumpable(flag):
+    """prctl(PR_SET_DUMPABLE, flag). 0 makes this process's /proc entries root's: the code, which
+    runs as the same uid, can then neither open /proc/1/mem (write the reaper's memory and forge
+    the status it reports) nor reach its fds through /proc/1/fd."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, flag, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+
+
 def _main(cfg):
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # before the fork, so that no instant exists in which the code runs beside a dumpable reaper;
+    # the user process sets it back for itself (its own /proc/self stays usable)
+    _set_dumpable(0)
     child = os.fork()
     if child == 0:
         _user(cfg)
