@@ -11,7 +11,7 @@ if [ "$#" -eq 0 ]; then
   # variables), so the vllm-marked tests run in a pytest process of their own, after the rest.
   status=0
   .venv/bin/python -m pytest -q -m "not slow and not vllm" || status=$?
-  .venv/bin/python -m pytest -q -m "vllm and not slow" tests/test_vllm_engine.py || status=$?
+  .venv/bin/python -m pytest -q -m "vllm and not slow" || status=$?
   exit "$status"
 fi
 exec .venv/bin/python -m pytest -q "$@"
