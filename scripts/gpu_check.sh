@@ -72,10 +72,13 @@ try:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     result["steps"] = len(train)
-    finite = bool(train) and all(
-        r.get("skipped_nonfinite", 0) == 0 and r.get("loss") is not None
-        and math.isfinite(r["loss"]) and r.get("grad_norm") is not None
-        and math.isfinite(r["grad_norm"]) for r in train)
+    # a step with no loss and no update counter is one that dynamic sampling skipped (no group
+    # with a reward spread: random weights); it is counted, not taken for a non-finite step
+    updated = [r for r in train if r.get("loss") is not None]
+    result["no_signal_steps"] = len(train) - len(updated)
+    finite = bool(updated) and all(
+        r.get("skipped_nonfinite", 0) == 0 and math.isfinite(r["loss"])
+        and r.get("grad_norm") is not None and math.isfinite(r["grad_norm"]) for r in updated)
     from safetensors.torch import load_file
     from grouprl.checkpoint import CheckpointManager
 
@@ -205,6 +208,8 @@ for config, rep, over, rewards, engine in cases:
             args.append(f"model.dtype={dtype}")
         if engine == "vllm" and a.device == "cuda":
             args += ["run.device=cuda"]
+        if engine == "vllm" and a.device == "cpu":
+            args += ["rollout.vllm.sleep=off"]  # sleep mode needs a CUDA build of vLLM
         cmd = [sys.executable, str(work / "one_run.py"), config, a.device, str(out), *args]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.run_timeout_s)
@@ -219,6 +224,11 @@ for config, rep, over, rewards, engine in cases:
         print(f"[{time.time() - start:6.1f} s] {row['config']} {row.get('dtype')}: "
               f"{row.get('status')} {row.get('error', '')}", file=sys.stderr, flush=True)
 
+def _signal_note(r):
+    n = r.get("no_signal_steps", 0)
+    return f"{n} of {r['steps']} steps without an informative group (no update)" if n else ""
+
+
 name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
 mem = "peak MiB (cuda max_memory_allocated)" if a.device == "cuda" else "peak MiB (process RSS)"
 lines = [f"gpu_check on {name}, torch {torch.__version__}, {a.steps} steps per config, "
@@ -229,7 +239,7 @@ for r in results:
     fin = {True: "yes", False: "NO"}.get(r.get("finite"), "-")
     lines.append(f"| {r['config']} | {r['replica']} | {r.get('dtype', '-')} | {r['status']} | "
                  f"{fin} | {r.get('s_per_step', '-')} | {r.get('peak_mib', '-')} | "
-                 f"{r.get('error', '')} |")
+                 f"{r.get('error', '') or _signal_note(r)} |")
 table = "\n".join(lines)
 print(table)
 if os.environ.get("OUT"):
