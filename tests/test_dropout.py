@@ -7,8 +7,9 @@ import warnings
 
 import pytest
 import torch
+from tiny_runs import arithmetic_run
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config import validate
 from grouprl.policies.dropout import disable_dropout
 from grouprl.train import train
 
@@ -46,17 +47,11 @@ def gpt2_dir(tmp_path_factory):
 
 
 def _cfg(out_dir, model_dir, *overrides):
-    raw = {
-        "run": {"name": "run", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
-                "console": False},
-        "model": {"name_or_path": str(model_dir)},
-        "task": {"name": "arithmetic",
-                 "options": {"n_train": 16, "n_eval": 2, "ops": "+", "max_value": 9}},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
-        "algorithm": {"engine_correction": "token_truncate"},
-        "train": {"steps": 1, "lr": 1e-3},
-    }  # fmt: skip
-    return validate(apply_overrides(raw, list(overrides)))
+    return validate(arithmetic_run(
+        out_dir, model_dir, *overrides, task={"options": {"n_train": 16}},
+        rollout={"group_size": 4, "max_new_tokens": 6},
+        algorithm={"engine_correction": "token_truncate"},
+    ))  # fmt: skip
 
 
 def _train_row(run_dir):

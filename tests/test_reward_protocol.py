@@ -6,8 +6,9 @@ import json
 import warnings
 
 import pytest
+from tiny_runs import arithmetic_run
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config import validate
 from grouprl.envs.rewards import load_reward_fn, score_completions
 from grouprl.envs.rewards.health import RewardFailedError, RewardFailedWarning, RewardHealth
 from grouprl.envs.rewards.loading import RewardSignatureError
@@ -45,18 +46,10 @@ def reward_file(tmp_path_factory):
 
 
 def _cfg(out_dir, model_dir, rewards, *overrides):
-    raw = {
-        "run": {"name": "run", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
-                "console": False},
-        "model": {"name_or_path": str(model_dir)},
-        "task": {"name": "arithmetic",
-                 "options": {"n_train": 16, "n_eval": 2, "ops": "+", "max_value": 9}},
-        "rewards": rewards,
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
-        "train": {"steps": 2, "lr": 1e-3},
-        "eval": {"every": 0},
-    }  # fmt: skip
-    return validate(apply_overrides(raw, list(overrides)))
+    return validate(arithmetic_run(
+        out_dir, model_dir, *overrides, task={"options": {"n_train": 16}}, rewards=rewards,
+        rollout={"group_size": 4, "max_new_tokens": 4}, train={"steps": 2}, eval={"every": 0},
+    ))  # fmt: skip
 
 
 def _train_rows(run_dir):

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_runs import arithmetic_run
 
 from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, load_config, validate
+from grouprl.config import load_config, validate
 from grouprl.run_state import CHANGES_FILE, ConfigChangedError
 from grouprl.train import train
 from grouprl.user_inputs import ModelPathError, check_model_path
@@ -29,17 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raw(out_dir, model_dir, *overrides):
-    raw = {
-        "run": {"name": "run", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
-                "console": False},
-        "model": {"name_or_path": str(model_dir)},
-        "task": {"name": "arithmetic",
-                 "options": {"n_train": 8, "n_eval": 2, "ops": "+", "max_value": 9}},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
-        "train": {"steps": 1, "lr": 1e-3},
-        "checkpoint": {"every": 1},
-    }  # fmt: skip
-    return apply_overrides(raw, list(overrides))
+    return arithmetic_run(out_dir, model_dir, *overrides, checkpoint={"every": 1})
 
 
 def _cfg(out_dir, model_dir, *overrides):

@@ -19,9 +19,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from tiny_runs import arithmetic_run
 
 from grouprl.checkpoint import CheckpointManager, LegacyCheckpointError, capture_rng, restore_rng
-from grouprl.config import apply_overrides, validate
+from grouprl.config import validate
 from grouprl.train import train
 from grouprl.trainer_state import (
     StateEncodingError,
@@ -60,17 +61,7 @@ def _rewrite_manifest(ckpt) -> None:
 
 
 def _cfg(out_dir, model_dir, *overrides):
-    raw = {
-        "run": {"name": "run", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
-                "console": False},
-        "model": {"name_or_path": str(model_dir)},
-        "task": {"name": "arithmetic",
-                 "options": {"n_train": 8, "n_eval": 2, "ops": "+", "max_value": 9}},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
-        "train": {"steps": 1, "lr": 1e-3},
-        "checkpoint": {"every": 1},
-    }  # fmt: skip
-    return validate(apply_overrides(raw, list(overrides)))
+    return validate(arithmetic_run(out_dir, model_dir, *overrides, checkpoint={"every": 1}))
 
 
 @pytest.fixture(scope="module")
