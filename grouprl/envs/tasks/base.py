@@ -7,6 +7,7 @@ is handed to the reward functions, repeated once per completion.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from string import Formatter
@@ -76,3 +77,34 @@ def check_template(
         raise ValueError(f"{option}={template!r} must contain the placeholders {sorted(missing)}")
     if "" in used:
         raise ValueError(f"{option}={template!r} has an empty '{{}}'; name the placeholder")
+
+
+def check_split_options(
+    task: str, seed: Any, max_train: Any, max_eval: Any, eval_fraction: float,
+    eval_given: bool = False,
+) -> None:  # fmt: skip
+    """The train / eval split options every dataset task takes (eval_given: an eval_source or
+    eval_split was set, which excludes eval_fraction)."""
+    check_int("seed", seed)
+    for name, value in (("max_train", max_train), ("max_eval", max_eval)):
+        if value is not None:
+            check_int(name, value, minimum=1)
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"{task} task: eval_fraction must be in [0, 1), got {eval_fraction}")
+    if eval_fraction and eval_given:
+        raise ValueError(f"{task} task: give eval_source / eval_split or eval_fraction, not both")
+
+
+def hold_out(examples: list[dict], eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded shuffle, then the first round(eval_fraction * n) (at least one)
+    rows held out for evaluation; eval_fraction 0 holds out nothing."""
+    if eval_fraction <= 0:
+        return examples, []
+    examples = list(examples)
+    random.Random(seed).shuffle(examples)
+    n_eval = max(1, round(eval_fraction * len(examples)))
+    if n_eval >= len(examples):
+        raise ValueError(
+            f"eval_fraction={eval_fraction} leaves no training rows of {len(examples)}"
+        )
+    return examples[n_eval:], examples[:n_eval]

@@ -16,13 +16,12 @@ problem is one ValueError naming the file, the row and the column.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from grouprl.envs.rewards.code import CodeFrom, CodeScore, code_reward
 from grouprl.envs.rewards.code_harness import CodeTests, normalize_tests
 from grouprl.envs.sandbox import Isolation
-from grouprl.envs.tasks.base import TaskData, check_int, check_template
+from grouprl.envs.tasks.base import TaskData, check_split_options, check_template, hold_out
 from grouprl.envs.tasks.records import describe, is_local, load_records, make_prompt
 
 DEFAULT_TEMPLATE = "{question}\n{example}\nWrite your solution in a ```python code block."
@@ -163,25 +162,12 @@ def build_code(
     max_train, max_eval: keep at most this many examples (None = all)
     mode, timeout_s, memory_mb, workers, code_from, isolation: options of the code reward
     """
-    check_int("seed", seed)
-    for name, value in (("max_train", max_train), ("max_eval", max_eval)):
-        if value is not None:
-            check_int(name, value, minimum=1)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"code task: eval_fraction must be in [0, 1), got {eval_fraction}")
+    check_split_options("code", seed, max_train, max_eval, eval_fraction)
     check_template("prompt_template", prompt_template, ("question", "example"), ("question",))
     rows, where = _rows(source, split)
     examples = to_examples(rows, where, question_column, tests_column, setup_column,
                            prompt_template, system_prompt)  # fmt: skip
-    evaluation: list[dict[str, Any]] = []
-    if eval_fraction > 0:
-        random.Random(seed).shuffle(examples)
-        n_eval = max(1, round(eval_fraction * len(examples)))
-        if n_eval >= len(examples):
-            raise ValueError(
-                f"eval_fraction={eval_fraction} leaves no training rows of {len(rows)}"
-            )
-        evaluation, examples = examples[:n_eval], examples[n_eval:]
+    examples, evaluation = hold_out(examples, eval_fraction, seed)
     reward = code_reward(mode=mode, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
                          code_from=code_from, isolation=isolation)  # fmt: skip
     return TaskData(

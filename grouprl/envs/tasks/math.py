@@ -11,13 +11,18 @@ columns that exist.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any, Literal
 
 from grouprl.envs.answers import gsm8k_answer
 from grouprl.envs.rewards.text import accuracy_reward
-from grouprl.envs.tasks.base import TaskData, check_choice, check_int, check_template
+from grouprl.envs.tasks.base import (
+    TaskData,
+    check_choice,
+    check_split_options,
+    check_template,
+    hold_out,
+)
 from grouprl.envs.tasks.records import READERS, describe, is_local, load_records, make_prompt
 
 __all__ = ["READERS", "build_math", "load_records", "to_examples"]
@@ -128,14 +133,8 @@ def build_math(
     answer_tag:      accuracy reads the answer inside <answer_tag>...</answer_tag> (None = anywhere)
     """
     check_choice("answer_format", answer_format, ANSWER_FORMATS)
-    check_int("seed", seed)
-    for name, value in (("max_train", max_train), ("max_eval", max_eval)):
-        if value is not None:
-            check_int(name, value, minimum=1)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    if eval_fraction and (eval_source is not None or eval_split is not None):
-        raise ValueError("give eval_source / eval_split or eval_fraction, not both")
+    given = eval_source is not None or eval_split is not None
+    check_split_options("math", seed, max_train, max_eval, eval_fraction, given)
     options = (question_column, answer_column, prompt_template, system_prompt, answer_format)
 
     train = to_examples(load_records(source, config, split), source, *options)
@@ -147,14 +146,8 @@ def build_math(
         evaluation = to_examples(rows, eval_source, *options)
     elif eval_split is not None:
         evaluation = to_examples(load_records(source, config, eval_split), source, *options)
-    elif eval_fraction > 0:
-        random.Random(seed).shuffle(train)
-        n_eval = max(1, round(eval_fraction * len(train)))
-        if n_eval >= len(train):
-            raise ValueError(
-                f"eval_fraction={eval_fraction} leaves no training rows of {len(train)}"
-            )
-        evaluation, train = train[:n_eval], train[n_eval:]
+    else:
+        train, evaluation = hold_out(train, eval_fraction, seed)
     return TaskData(
         train=train[:max_train],
         eval=evaluation[:max_eval],

@@ -8,10 +8,9 @@ the config (a user function "module:function" or a built-in such as format / len
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from grouprl.envs.tasks.base import TaskData, check_int, check_template
+from grouprl.envs.tasks.base import TaskData, check_split_options, check_template, hold_out
 from grouprl.envs.tasks.math import RESERVED_COLUMNS
 from grouprl.envs.tasks.records import describe, load_records, make_prompt
 
@@ -70,14 +69,8 @@ def build_prompts(
     eval_source, eval_split: a held-out source / split; eval_fraction: else hold out this fraction
     max_train, max_eval: keep at most this many examples (None = all)
     """
-    check_int("seed", seed)
-    for name, value in (("max_train", max_train), ("max_eval", max_eval)):
-        if value is not None:
-            check_int(name, value, minimum=1)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    if eval_fraction and (eval_source is not None or eval_split is not None):
-        raise ValueError("give eval_source / eval_split or eval_fraction, not both")
+    given = eval_source is not None or eval_split is not None
+    check_split_options("prompts", seed, max_train, max_eval, eval_fraction, given)
     options = (prompt_column, prompt_template, system_prompt)
     train = to_examples(load_records(source, config, split, "prompts"), source, *options)
     evaluation: list[dict[str, Any]] = []
@@ -89,12 +82,6 @@ def build_prompts(
         evaluation = to_examples(
             load_records(source, config, eval_split, "prompts"), source, *options
         )
-    elif eval_fraction > 0:
-        random.Random(seed).shuffle(train)
-        n_eval = max(1, round(eval_fraction * len(train)))
-        if n_eval >= len(train):
-            raise ValueError(
-                f"eval_fraction={eval_fraction} leaves no training rows of {len(train)}"
-            )
-        evaluation, train = train[:n_eval], train[n_eval:]
+    else:
+        train, evaluation = hold_out(train, eval_fraction, seed)
     return TaskData(train=train[:max_train], eval=evaluation[:max_eval], reward_fns={})
