@@ -17,9 +17,11 @@ def _train(args: argparse.Namespace) -> int:
     result = train(cfg)
     key = result["accuracy_key"]
     before, after = result["before"] or {}, result["after"] or {}
-    if before or after:
-        print(f"held-out {key} before: {100 * before.get('accuracy', float('nan')):.1f}%")
-        print(f"held-out {key} after: {100 * after.get('accuracy', float('nan')):.1f}%")
+    for when, metrics in (("before", before), ("after", after)):
+        if "accuracy" in metrics:  # text and agents: a share of problems solved
+            print(f"held-out {key} {when}: {100 * metrics['accuracy']:.1f}%")
+        elif "reward" in metrics:  # images: the mean weighted reward, in the reward's own units
+            print(f"held-out reward {when}: {metrics['reward']:.4f}")
     print(f"run directory: {result['run_dir']}")
     return 0
 

@@ -196,3 +196,15 @@ def test_off_is_a_string_in_files(config_file):
 
     config_file.write_text(config_file.read_text() + "algorithm:\n  overlong_shaping: off\n")
     assert load_config(config_file).algorithm.overlong_shaping == "off"
+
+
+def test_image_runs_print_the_held_out_reward_not_a_nan_accuracy(capsys, config_file, monkeypatch):
+    """An image run's evaluation has a mean reward and no accuracy: the summary printed
+    "held-out pickscore before: nan%" before."""
+    result = {"accuracy_key": "pickscore", "before": {"reward": 0.2125}, "after": {"reward": 0.25},
+              "run_dir": "runs/x"}  # fmt: skip
+    monkeypatch.setattr(train_mod, "train", lambda cfg: result)
+    status, out, err = run_cli(capsys, "train", config_file)
+    assert status == 0, err
+    assert "held-out reward before: 0.2125" in out and "held-out reward after: 0.2500" in out
+    assert "nan" not in out
