@@ -360,6 +360,7 @@ def _child_bwrap(cfg: dict) -> None:
     call, ctypes = _libc()
     uid = cfg["uid"]
     as_root = os.geteuid() == 0
+    runner_argv = _runner_argv(cfg)  # read before staging covers the host's /tmp (a CI clone)
     args = [cfg["bwrap"], "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1"]
     args += ["--cap-drop", "ALL", "--hostname", "sandbox", "--seccomp", str(cfg["seccomp_fd"])]
     binds = [src for kind, src, dst in cfg["layout"] if kind == "bind"]
@@ -380,7 +381,7 @@ def _child_bwrap(cfg: dict) -> None:
             args += ["--perms", "0700", "--size", str(size), "--tmpfs", dst]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
-    args += _runner_argv(cfg)
+    args += runner_argv
     if as_root:  # bwrap then makes an unprivileged user namespace: host root is not ours
         os.setgroups([])
         os.setresgid(uid, uid, uid)

@@ -8,7 +8,9 @@
   libraries="site-packages", the running environment's site-packages (numpy, sympy, ...);
 - ("tmpfs", options, "/dev") and ("dev", host node, "/dev/null" | zero | random | urandom), plus
   the /dev/fd, stdin, stdout, stderr links into /proc/self;
-- ("tmpfs", "size=...k,mode=0700,...", "/tmp"): the one writable place (cwd, HOME, TMPDIR);
+- ("tmpfs", "size=...k,mode=0700,...", "/tmp"): the one writable place (cwd, HOME, TMPDIR),
+  mounted before the binds, so that an interpreter or venv below the host's /tmp is bound inside
+  it (read-only) rather than hidden by it;
 - ("dir", "", "/proc"): where the PID namespace's own /proc goes.
 Nothing else of the host is there: no /home, /root (but the interpreter), /etc (but the loader
 cache), the project checkout, the run directory, the host's /tmp, /dev/shm, /run or /var/run.
@@ -50,6 +52,10 @@ def root_layout(libraries: Libraries, disk_mb: int, uid: int) -> list[tuple[str,
     for path in sorted(set(binds + wanted), key=len):  # parents first; nested ones are covered
         if not any(path == b or path.startswith(b + os.sep) for b in kept):
             kept.append(path)
+    # the private tmpfs goes first: a bind below it (a checkout or venv under the host's /tmp, as
+    # CI's clone may be) is then mounted inside it instead of being hidden by it
+    owner = f",uid={uid},gid={uid}" if uid else ""
+    out.append(("tmpfs", f"size={disk_mb * 1024}k,mode=0700{owner}", WORK))
     out += [("bind", p, p) for p in kept]
     if os.path.isfile("/etc/ld.so.cache"):
         out.append(("bind", "/etc/ld.so.cache", "/etc/ld.so.cache"))
@@ -58,7 +64,5 @@ def root_layout(libraries: Libraries, disk_mb: int, uid: int) -> list[tuple[str,
     out += [("symlink", "/proc/self/fd", "/dev/fd")]
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         out.append(("symlink", f"/proc/self/fd/{i}", f"/dev/{name}"))
-    owner = f",uid={uid},gid={uid}" if uid else ""
-    out.append(("tmpfs", f"size={disk_mb * 1024}k,mode=0700{owner}", WORK))
     out.append(("dir", "", "/proc"))
     return out
