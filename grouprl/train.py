@@ -310,8 +310,8 @@ def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
-_GROUP_SURROGATES = {"tpo"}
-MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one minibatch (2^16 -> 1)  # losses defined over whole groups: never split a group
+_GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a group
+MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one minibatch (2^16 -> 1)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
