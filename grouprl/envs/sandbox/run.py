@@ -260,23 +260,16 @@ def _supervise(proc, mode, cg, ready_r, result_r, start, timeout_s, cap) -> Sand
                 timed_out = True
                 break
             for key, _ in sel.select(timeout=0.05):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                elif key.data == "result":
-                    result += chunk
-                elif key.data == "ready":
-                    if not ready:  # the child's set-up is done: the user's clock starts now
-                        ready, deadline = True, time.monotonic() + timeout_s
-                else:
-                    key.data.add(chunk)
+                # the child's set-up is done: the user's clock starts now
+                if _route(sel, key, result) == "ready" and not ready:
+                    ready, deadline = True, time.monotonic() + timeout_s
     finally:
         if sel.get_map():  # timed out: kill the call; the keeper then cleans up and exits
             if cg:
                 kill_cgroup(cg)
             else:  # trusted mode without cgroups: the keeper kills its descendants
                 proc.send_signal(signal.SIGTERM)
-            _drain(sel, out, err, result)
+            _drain(sel, result)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
@@ -304,25 +297,34 @@ def _supervise(proc, mode, cg, ready_r, result_r, start, timeout_s, cap) -> Sand
         )
     info = json.loads(result)
     rc = os.waitstatus_to_exitcode(info["status"])
-    reason = _reason(rc, timed_out, info["oom_kills"], err.data)
+    reason = _reason(rc, info["oom_kills"], err.data)
     return SandboxResult(
-        ok=reason == "ok", returncode=None if timed_out else rc, stdout=out.text(),
+        ok=reason == "ok", returncode=rc, stdout=out.text(),
         stderr=err.text(), reason=reason, isolation=mode, duration_s=time.monotonic() - start,
     )  # fmt: skip
 
 
-def _drain(sel, out, err, result) -> None:
+def _route(sel, key, result: bytearray) -> str | None:
+    """Read one chunk from a ready pipe: output into its _Capped sink, the keeper's result into
+    `result`; a closed pipe is unregistered. Returns "ready" when the ready pipe spoke."""
+    chunk = os.read(key.fd, 65536)
+    if not chunk:
+        sel.unregister(key.fileobj)
+    elif key.data == "result":
+        result += chunk
+    elif key.data == "ready":
+        return "ready"
+    else:
+        key.data.add(chunk)
+    return None
+
+
+def _drain(sel, result: bytearray) -> None:
     """After the kill: what is still in the pipes, up to a second."""
     until = time.monotonic() + 1.0
     while sel.get_map() and time.monotonic() < until:
         for key, _ in sel.select(timeout=0.05):
-            chunk = os.read(key.fd, 65536)
-            if not chunk:
-                sel.unregister(key.fileobj)
-            elif key.data == "result":
-                result += chunk
-            elif key.data != "ready":
-                key.data.add(chunk)
+            _route(sel, key, result)
 
 
 def _signal_group(pid: int) -> None:
@@ -332,8 +334,8 @@ def _signal_group(pid: int) -> None:
         pass
 
 
-def _reason(rc: int, timed_out: bool, oom_kills: int, stderr: bytes) -> Reason:
-    if timed_out or rc == -signal.SIGXCPU:
+def _reason(rc: int, oom_kills: int, stderr: bytes) -> Reason:
+    if rc == -signal.SIGXCPU:
         return "timeout"
     if rc == MEMORY_EXIT or (rc != 0 and oom_kills) or (rc < 0 and b"MemoryError" in stderr):
         return "memory"
