@@ -427,20 +427,9 @@ def test_flow_grpo_second_optimizer_step_has_a_ratio_away_from_one(tmp_path, mon
         return res
 
     monkeypatch.setattr(image_loss, "total_loss", spy)
-    raw = {
-        "run": {"name": "run", "output_dir": str(tmp_path), "seed": 0, "device": "cpu",
-                "console": False},
-        "model": {"type": "flow", "name_or_path": "grouprl.demos.velocity:ShapesVelocityNet",
-                  "module_options": {"channels": [8, 16], "emb_dim": 16, "groups": 4},
-                  "condition": "class_label", "null_label": 12, "lora": None},
-        "task": {"name": "image_prompts", "options": {"source": "shapes", "n_eval": 2}},
-        "rollout": {"prompts_per_step": 2, "group_size": 4},
-        "algorithm": {"preset": "flow_grpo"},
-        "diffusion": {"height": 8, "width": 8, "rollout_steps": 3, "eval_steps": 3,
-                      "guidance_scale": 1.0},
-        "train": {"steps": 1, "lr": 1e-3},
-    }  # fmt: skip
-    cfg = validate(apply_overrides(raw, []))
+    from test_diffusion_train import module_cfg  # the shapes module at 8x8 with flow_grpo
+
+    cfg = module_cfg(tmp_path, "task.options.n_eval=2")
     assert (cfg.algorithm.epochs, cfg.algorithm.minibatches) == (1, 2)
     train(cfg)
     assert len(seen) == 2  # two optimizer steps, one micro-batch each
