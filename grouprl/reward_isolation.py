@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from grouprl.envs.rewards.loading import RewardFn, _check_values, _keywords_for, _row
+from grouprl.envs.rewards.loading import RewardFn, _check_values, _row, keywords_for
 from grouprl.process_tree import become_subreaper, kill_tree
 
 _log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class IsolatedReward:
     def __call__(self, completions: list[str], **columns: Any) -> list[float | None]:
         n = len(completions)
         # keyword calls (the protocol of loading.py): TRL's f(prompts, completions, **kw) works too
-        calls = [((), _keywords_for(self.fn, {"completions": list(completions[i : i + 1]),
+        calls = [((), keywords_for(self.fn, {"completions": list(completions[i : i + 1]),
                                               **_row(columns, i, n)})) for i in range(n)]  # fmt: skip
         outcomes = ISOLATIONS[self.isolation](self, calls)
         values: list[float | None] = []

@@ -101,7 +101,7 @@ class RewardSignatureError(TypeError):
     """A reward function's signature cannot take the keyword call (a bug, never a sample error)."""
 
 
-def _keywords_for(fn: Callable, kwargs: dict, name: str = "") -> dict:
+def keywords_for(fn: Callable, kwargs: dict, name: str = "") -> dict:
     """kwargs as fn accepts them: all with **kwargs, else only the names it has. A required
     parameter the call does not supply is a RewardSignatureError naming the keywords there are."""
     try:
@@ -131,12 +131,12 @@ def _keywords_for(fn: Callable, kwargs: dict, name: str = "") -> dict:
 
 
 def _call(fn: Callable, items_name: str, items: list, kwargs: dict) -> Any:
-    return fn(**_keywords_for(fn, {items_name: items, **kwargs}))
+    return fn(**keywords_for(fn, {items_name: items, **kwargs}))
 
 
 def _check_call(fn: Callable, name: str, items_name: str, items: list, kwargs: dict) -> None:
     """Raise RewardSignatureError before any call when fn cannot take these keywords."""
-    _keywords_for(fn, {items_name: items, **kwargs}, name)
+    keywords_for(fn, {items_name: items, **kwargs}, name)
 
 
 def call_with_options(factory: Callable[..., Any], options: Mapping[str, Any], what: str) -> Any:
