@@ -359,10 +359,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def save_resolved(cfg: Config, path: Path, header: str = "") -> None:
     """Write the fully resolved config (every default and preset value spelled out)."""
-    _write_yaml(path, _config_json(cfg), header)
+    _write_yaml(path, config_json(cfg), header)
 
 
-def _config_json(cfg: Config, **kw: Any) -> dict:
+def config_json(cfg: Config, **kw: Any) -> dict:
     """cfg as JSON-able values; a Dataset object given from Python becomes its summary."""
     from grouprl.envs.tasks.records import dataset_summary
 
@@ -416,12 +416,12 @@ def user_settings(cfg: Config) -> dict:
     since (attribute assignment). A Config built another way: its explicitly set fields."""
     written = _USER_SETTINGS.get(id(cfg))
     if written is None:
-        return _config_json(cfg, exclude_unset=True)
+        return config_json(cfg, exclude_unset=True)
     out = copy.deepcopy(written)
     with warnings.catch_warnings():  # the preset warnings were given when cfg was made
         warnings.simplefilter("ignore")
-        baseline = flatten(_config_json(Config.model_validate(copy.deepcopy(written))))
-    for key, value in flatten(_config_json(cfg)).items():
+        baseline = flatten(config_json(Config.model_validate(copy.deepcopy(written))))
+    for key, value in flatten(config_json(cfg)).items():
         if baseline.get(key, object()) != value:
             _set_dotted(out, key, value)
     # plain YAML types (tuples, paths from code; a Dataset object as its summary)

@@ -27,12 +27,11 @@ from grouprl.build import (
     sampling_params,
     seed_everything,
 )
-from grouprl.config import Config
+from grouprl.config import Config, config_json
 from grouprl.distributed import SINGLE, Dist
 from grouprl.distributed import setup as setup_dist
 from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
 from grouprl.envs.tasks import build_task
-from grouprl.envs.tasks.records import dataset_summary
 from grouprl.evaluation import accuracy_key, evaluate
 from grouprl.logging import RunLogger
 from grouprl.objectives import count_tokens, total_loss
@@ -406,7 +405,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
-        run_name=cfg.run.name, config=cfg.model_dump(mode="json", fallback=dataset_summary), start_step=step,
+        run_name=cfg.run.name, config=config_json(cfg), start_step=step,
     )  # fmt: skip
     if cfg.run.resume:  # rewind the logs to the checkpoint; with none yet, drop them all
         logger.truncate_after(step if latest is not None else -1)
