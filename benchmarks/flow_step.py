@@ -1,6 +1,6 @@
 """Flow step: time per image of a rollout plus one training step, grouprl's FlowPolicy vs a plain loop.
 
-Model: the tiny random SD3 transformer of grouprl.policies.flow_tiny (one block, latents
+Model: the tiny random SD3 transformer of grouprl.policies.flow.tiny (one block, latents
 4 x 32 x 32), conditioned on fixed random text embeddings (no text encoder, no VAE: the sampler
 and scoring code path is what is measured). Workload per iteration: `--prompts` prompts x
 `--group` images, `--steps` Flow-GRPO SDE steps (noise level 0.7, all steps stochastic, all but
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from grouprl.policies.flow import FlowPolicy
-    from grouprl.policies.flow_tiny import tiny_sd3_transformer
-    from grouprl.policies.flow_types import FlowCondition
+    from grouprl.policies.flow.policy import FlowPolicy
+    from grouprl.policies.flow.tiny import tiny_sd3_transformer
+    from grouprl.policies.flow.types import FlowCondition
 
     C.worker_setup(a.threads)
     info = C.machine_info(a.threads)

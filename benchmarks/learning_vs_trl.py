@@ -1,6 +1,6 @@
 """Learning efficiency: held-out accuracy after a fixed number of GRPO steps, grouprl vs TRL.
 
-Task and model: the CPU demo's (grouprl/demo.py): two-digit addition ("37+45=" -> "82") with the
+Task and model: the CPU demo's (grouprl/demos/arithmetic.py): two-digit addition ("37+45=" -> "82") with the
 tiny byte-level Qwen2 after its supervised warm-up (cached under runs/, built on first use: about
 a minute and a half on a quiet machine). From that same checkpoint each side runs `--steps` GRPO
 steps with matched settings: `--prompts` prompts x 8 samples per step, at most 6 new tokens,
@@ -9,7 +9,7 @@ mean then mean over sequences (TRL loss_type="grpo" = grouprl preset grpo), Adam
 decayed linearly to 0, gradient clipping at 1.0, float32; the reward is the task's exact-answer
 accuracy function on both sides. TRL (pinned, from .venv-bench) trains with GRPOTrainer; grouprl
 with its own loop (grouprl.train.train). Both are then evaluated by the same code: greedy decoding
-on the first `--eval` held-out problems, accuracy = exact answers (grouprl.evaluation.evaluate).
+on the first `--eval` held-out problems, accuracy = exact answers (grouprl.rollouts.evaluation.evaluate).
 Runs alternate grouprl, TRL per seed, each in a fresh process.
 
     .venv/bin/python benchmarks/learning_vs_trl.py [--seeds 0,1,2 --steps 60 --threads 2]
@@ -37,11 +37,11 @@ GROUP, MAX_NEW = 8, 6
 
 
 def warmup_dir() -> Path:
-    """The demo's cached warm-up checkpoint (the same folder `python -m grouprl.demo` uses)."""
+    """The demo's cached warm-up checkpoint (the same folder `python -m grouprl.demos.arithmetic` uses)."""
     from rich.console import Console
 
-    from grouprl.config import load_config
-    from grouprl.demo import CONFIG, MODEL, warm_up
+    from grouprl.config.loading import load_config
+    from grouprl.demos.arithmetic import CONFIG, MODEL, warm_up
     from grouprl.envs.tasks import build_task
 
     cfg = load_config(CONFIG, [])
@@ -55,8 +55,8 @@ def warmup_dir() -> Path:
 
 
 def _task_and_reward():
-    from grouprl.config import load_config
-    from grouprl.demo import CONFIG
+    from grouprl.config.loading import load_config
+    from grouprl.demos.arithmetic import CONFIG
     from grouprl.envs.tasks import build_task
 
     cfg = load_config(CONFIG, [])
@@ -65,9 +65,9 @@ def _task_and_reward():
 
 
 def _evaluate(model: Any, tokenizer: Any, n_eval: int) -> float:
-    from grouprl.evaluation import evaluate
-    from grouprl.policies.causal_lm import CausalLMPolicy
-    from grouprl.rollouts.engines.base import SamplingParams
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
+    from grouprl.policies.text.engines.base import SamplingParams
+    from grouprl.rollouts.evaluation import evaluate
 
     task, accuracy = _task_and_reward()
     policy = CausalLMPolicy(model, tokenizer)
@@ -79,8 +79,8 @@ def _evaluate(model: Any, tokenizer: Any, n_eval: int) -> float:
 
 
 def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
-    from grouprl.config import load_config
-    from grouprl.demo import CONFIG
+    from grouprl.config.loading import load_config
+    from grouprl.demos.arithmetic import CONFIG
     from grouprl.train import train
 
     out = tempfile.mkdtemp(prefix="grouprl-learn-")

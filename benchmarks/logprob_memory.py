@@ -5,7 +5,7 @@ initialised Qwen2 (built from a config in code, float32, CPU), forward AND backw
 loss = sum_{n,t} mask * logp[n, t] * advantage[n], then loss.backward(). One table per vocabulary
 size (default 32k and 152k, Qwen's).
 
-  fast     grouprl.policies.logprobs.completion_logprobs(path="fast"), CausalLMPolicy's default:
+  fast     grouprl.policies.text.logprobs.completion_logprobs(path="fast"), CausalLMPolicy's default:
            each distinct prompt once, then the fused LM head (policies/fused_head.py) over the
            real completion tokens only, one token chunk of logits at a time, forward and back.
   chunked  completion_logprobs(path="plain"): decoder hidden states for [prompt | completion],
@@ -120,7 +120,7 @@ def _naive(model: Any, batch: Any, temperature: float, chunk_size: int | None) -
 
 
 def _chunked(model: Any, batch: Any, temperature: float, chunk_size: int | None) -> tuple:
-    from grouprl.policies.logprobs import completion_logprobs
+    from grouprl.policies.text.logprobs import completion_logprobs
 
     return completion_logprobs(
         model, batch, temperature=temperature, chunk_size=chunk_size, path="plain"
@@ -128,7 +128,7 @@ def _chunked(model: Any, batch: Any, temperature: float, chunk_size: int | None)
 
 
 def _fast(model: Any, batch: Any, temperature: float, chunk_size: int | None) -> tuple:
-    from grouprl.policies.logprobs import completion_logprobs
+    from grouprl.policies.text.logprobs import completion_logprobs
 
     return completion_logprobs(
         model, batch, temperature=temperature, chunk_size=chunk_size, path="fast"
@@ -144,7 +144,7 @@ def _worker(method: str, args: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from grouprl.policies.logprobs import DEFAULT_CHUNK_ELEMENTS
+    from grouprl.policies.text.logprobs import DEFAULT_CHUNK_ELEMENTS
 
     torch.set_num_threads(args["threads"] or torch.get_num_threads())
     model, batch, advantages = _build(args)

@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from grouprl.config import load_config
-from grouprl.demo import CONFIG, warm_up
+from grouprl.config.loading import load_config
+from grouprl.demos.arithmetic import CONFIG, warm_up
 from grouprl.envs.tasks import build_task
 from grouprl.train import train
 

@@ -54,15 +54,15 @@ def _task_prompts(seed: int) -> list[dict]:
 def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from grouprl.build import (
+    from grouprl.config.loading import Config
+    from grouprl.rollouts.prepare import prepare
+    from grouprl.runtime.build import (
         build_optimizer,
         build_policy,
         build_sampler,
         sampling_params,
         seed_everything,
     )
-    from grouprl.config import Config
-    from grouprl.rollouts.prepare import prepare
     from grouprl.train import rollout_step, update
 
     new_tokens = getattr(a, "max_new_tokens", MAX_NEW)  # hardware_limit.py passes none
@@ -118,7 +118,7 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _token_counts(batch: Any) -> dict[str, int]:
-    from grouprl.policies.fast_logprobs import prompt_runs
+    from grouprl.policies.text.fast_logprobs import prompt_runs
 
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)  # [N] group of each row
     first = torch_first(runs)

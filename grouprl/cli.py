@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from grouprl.config import ConfigError, load_config
-from grouprl.user_inputs import enable_crash_traces
+from grouprl.config.loading import ConfigError, load_config
+from grouprl.runtime.user_inputs import enable_crash_traces
 
 
 def _train(args: argparse.Namespace) -> int:

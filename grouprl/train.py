@@ -18,8 +18,23 @@ from typing import Any
 
 import torch
 
-from grouprl.async_rollout import prepare_config, rollout_source
-from grouprl.build import (
+from grouprl.config.loading import Config, config_json
+from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
+from grouprl.envs.tasks import build_task
+from grouprl.objectives import count_tokens, total_loss
+from grouprl.policies.dropout import disable_policy_dropout
+from grouprl.policies.precision import LossScaler, loss_scaler_for
+from grouprl.policies.text.engines.sync import push_weights, release_engine, step_mismatch
+from grouprl.rollouts import episodes, image_loss, images
+from grouprl.rollouts.curriculum import DumpSampler, response_advantages
+from grouprl.rollouts.evaluation import accuracy_key, evaluate
+from grouprl.rollouts.filters import sample_until_full
+from grouprl.rollouts.images import is_images
+from grouprl.rollouts.prepare import prepare
+from grouprl.rollouts.prompt_guard import apply_prompt_guard
+from grouprl.rollouts.single_turn import collect
+from grouprl.runtime.async_rollout import prepare_config, rollout_source
+from grouprl.runtime.build import (
     build_optimizer,
     build_policy,
     build_rewards,
@@ -27,29 +42,14 @@ from grouprl.build import (
     sampling_params,
     seed_everything,
 )
-from grouprl.config import Config, config_json
-from grouprl.distributed import SINGLE, Dist
-from grouprl.distributed import setup as setup_dist
-from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
-from grouprl.envs.tasks import build_task
-from grouprl.evaluation import accuracy_key, evaluate
-from grouprl.logging import RunLogger
-from grouprl.objectives import count_tokens, total_loss
-from grouprl.plots import plot_curves
-from grouprl.policies.dropout import disable_policy_dropout
-from grouprl.policies.precision import LossScaler, loss_scaler_for
-from grouprl.reward_isolation import drain_reward_metrics, isolate_rewards, isolation_settings
-from grouprl.rollouts import episodes, image_loss, images
-from grouprl.rollouts.curriculum import DumpSampler, response_advantages
-from grouprl.rollouts.engines.sync import push_weights, release_engine, step_mismatch
-from grouprl.rollouts.filters import sample_until_full
-from grouprl.rollouts.images import is_images
-from grouprl.rollouts.prepare import prepare
-from grouprl.rollouts.prompt_guard import apply_prompt_guard
-from grouprl.rollouts.single_turn import collect
-from grouprl.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
+from grouprl.runtime.distributed.dist import SINGLE, Dist
+from grouprl.runtime.distributed.dist import setup as setup_dist
+from grouprl.runtime.logging import RunLogger
+from grouprl.runtime.plots import plot_curves
+from grouprl.runtime.reward_guard import drain_reward_metrics, isolate_rewards, isolation_settings
+from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
+from grouprl.runtime.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
 from grouprl.types import Rollout
-from grouprl.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
 
 
 class UserCodeExit(RuntimeError):
@@ -178,7 +178,7 @@ def update(
     scaler: LossScaler | None = None,
 ) -> dict[str, float]:
     """mu epochs x minibatches optimizer updates; micro-batches accumulate with global counts.
-    Several processes: each trains its share of every minibatch (grouprl/distributed.py).
+    Several processes: each trains its share of every minibatch (grouprl/runtime/distributed/dist.py).
     scaler: float16's dynamic loss scaling (policies/precision.py); an update that overflows halves
     the scale and is redone on the same minibatch (up to MAX_OVERFLOW_RETRIES times), without
     counting as a non-finite failure."""

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m grouprl.agent_demo "$@"
+exec .venv/bin/python -m grouprl.demos.agent "$@"

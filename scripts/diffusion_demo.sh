@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m grouprl.diffusion_demo "$@"
+exec .venv/bin/python -m grouprl.demos.images "$@"

@@ -52,7 +52,7 @@ if device == "cuda":
 t0 = time.time()
 try:
     from grouprl.cli import main
-    from grouprl.config import load_config
+    from grouprl.config.loading import load_config
 
     rc = main(["train", config, *over])
     if rc != 0:
@@ -80,7 +80,7 @@ try:
         r.get("skipped_nonfinite", 0) == 0 and math.isfinite(r["loss"])
         and r.get("grad_norm") is not None and math.isfinite(r["grad_norm"]) for r in updated)
     from safetensors.torch import load_file
-    from grouprl.checkpoint import CheckpointManager
+    from grouprl.runtime.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(run_dir).latest() if (run_dir / "checkpoints").exists() else None
     if ckpt is None:

@@ -1,7 +1,7 @@
 """Shared pytest fixtures (stable names; other test files rely on them).
 
 - `tiny_model_dir`: path (pathlib.Path) of a saved tiny Qwen2 + char tokenizer
-  (grouprl.policies.tiny.save_tiny with default sizes, seed 0); session-scoped, read-only by convention.
+  (grouprl.policies.text.tiny.save_tiny with default sizes, seed 0); session-scoped, read-only by convention.
 - `tiny_tokenizer`: a fresh `char_tokenizer()` (function-scoped, cheap).
 - `tiny_model`: a fresh fp32 `tiny_qwen2(char_tokenizer())` in eval mode (function-scoped, seed 0).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grouprl.policies.tiny import char_tokenizer, save_tiny, tiny_qwen2
+from grouprl.policies.text.tiny import char_tokenizer, save_tiny, tiny_qwen2
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from argparse import Namespace
 
 import pytest
 
-from grouprl.agent_demo import (
+from grouprl.demos.agent import (
     env_title,
     expert_examples,
     plot_success,
@@ -13,8 +13,8 @@ from grouprl.agent_demo import (
     write_transcripts,
 )
 from grouprl.envs.frozenlake import shortest_path
-from grouprl.policies.agent import parse_action
-from grouprl.policies.tiny import char_tokenizer
+from grouprl.envs.tools.calls import parse_action
+from grouprl.policies.text.tiny import char_tokenizer
 
 KW = {"random_map": True, "size": 3, "frozen_prob": 0.7, "max_steps": 6, "system_prompt": "Go."}
 
@@ -69,7 +69,7 @@ def _sampled(out: str, label: str) -> tuple[float, float]:
 
 def test_demo_runs_end_to_end_in_small(tmp_path, capsys):
     """The whole demo on a tiny budget: warm-up, both runs in subprocesses, PNG, transcripts."""
-    from grouprl import agent_demo
+    from grouprl.demos import agent as agent_demo
 
     code = agent_demo.main([
         "--warmup-episodes", "8", "--warmup-steps", "2", f"run.output_dir={tmp_path}",
@@ -90,7 +90,7 @@ def test_demo_runs_end_to_end_in_small(tmp_path, capsys):
 @pytest.mark.slow
 def test_demo_raises_sampled_success(tmp_path, capsys):
     """The real demo (about 7 minutes on 2 cores): both runs raise sampled success by 40+ points."""
-    from grouprl import agent_demo
+    from grouprl.demos import agent as agent_demo
 
     assert agent_demo.main([f"run.output_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""grouprl.policies.agent: action / tool-call parsing, ParseStats, tool schemas, ToolSet, tool prompts."""
+"""grouprl.envs.tools.calls: action / tool-call parsing, ParseStats, tool schemas, ToolSet, tool prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from grouprl.policies.agent import (
+from grouprl.envs.tools.calls import (
     ACTION_FORMATS,
     ParsedAction,
     ParseStats,
@@ -18,7 +18,7 @@ from grouprl.policies.agent import (
     tool_schema,
     tools_system_prompt,
 )
-from grouprl.policies.tiny import char_tokenizer
+from grouprl.policies.text.tiny import char_tokenizer
 
 # ----------------------------------------------------------------------------- "action" format
 

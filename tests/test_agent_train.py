@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.train import train
 
 
@@ -38,8 +38,8 @@ def test_agent_run_end_to_end(credit, tmp_path, tiny_model_dir):
 
 
 def test_env_task_refuses_reward_functions(tmp_path, tiny_model_dir):
-    from grouprl.build import build_rewards
     from grouprl.envs.tasks import build_task
+    from grouprl.runtime.build import build_rewards
 
     cfg = make_cfg(tmp_path, tiny_model_dir)
     cfg_with = validate(

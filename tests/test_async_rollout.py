@@ -1,4 +1,4 @@
-"""grouprl.async_rollout: one-step-off-policy training (train.async_mode = "one_step_off").
+"""grouprl.runtime.async_rollout: one-step-off-policy training (train.async_mode = "one_step_off").
 
 - With async_staleness 0 the background worker reproduces the synchronous run bit for bit.
 - With staleness 1, batch k+1 is sampled by the weights held before update k (one step stale), the
@@ -17,18 +17,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grouprl.async_rollout import (
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.single_turn import collect
+from grouprl.runtime.async_rollout import (
     OneStepOff,
     SyncRollouts,
     check_async,
     prepare_config,
     rollout_source,
 )
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.single_turn import collect
+from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import train
 
 REWARDS_PY = """
@@ -148,7 +148,7 @@ def test_batch_k_plus_1_is_sampled_by_the_weights_before_update_k(
 
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_generation_overlaps_the_update(monkeypatch, worker):
-    import grouprl.async_rollout as mod
+    import grouprl.runtime.async_rollout as mod
 
     # a stand-in policy: taking a snapshot and copying weights are instant, sampling takes 0.2 s
     model = torch.nn.Linear(1, 1)

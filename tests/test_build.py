@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grouprl.build import build_optimizer
-from grouprl.config import validate
+from grouprl.config.loading import validate
+from grouprl.runtime.build import build_optimizer
 
 
 class _Params:

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.logprobs import selective_log_softmax, token_logp_entropy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines import SamplingParams
+from grouprl.policies.text.logprobs import selective_log_softmax, token_logp_entropy
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.types import TokenBatch
 
 

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from grouprl import checkpoint as ck
-from grouprl.checkpoint import CheckpointManager, NonFiniteCheckpointError, capture_rng, restore_rng
+from grouprl.runtime import checkpoint as ck
+from grouprl.runtime.checkpoint import (
+    CheckpointManager,
+    NonFiniteCheckpointError,
+    capture_rng,
+    restore_rng,
+)
 
 
 def _writer(value: float):

@@ -8,7 +8,7 @@ import yaml
 
 import grouprl.train as train_mod
 from grouprl.cli import main
-from grouprl.config import ConfigError
+from grouprl.config.loading import ConfigError
 from grouprl.types import LossOutput
 
 
@@ -185,14 +185,14 @@ YAML_OFF_BUG = (
 
 
 def test_off_is_a_string_in_overrides(capsys, config_file):
-    from grouprl.config import load_config
+    from grouprl.config.loading import load_config
 
     cfg = load_config(config_file, ["algorithm.preset=dapo", "algorithm.dynamic_sampling=off"])
     assert cfg.algorithm.dynamic_sampling == "off"
 
 
 def test_off_is_a_string_in_files(config_file):
-    from grouprl.config import load_config
+    from grouprl.config.loading import load_config
 
     config_file.write_text(config_file.read_text() + "algorithm:\n  overlong_shaping: off\n")
     assert load_config(config_file).algorithm.overlong_shaping == "off"

@@ -307,7 +307,7 @@ def test_code_reward_is_a_registered_reward():
 
 
 def test_training_on_the_code_task_logs_outcomes(tmp_path, tiny_model_dir):
-    from grouprl.config import validate
+    from grouprl.config.loading import validate
     from grouprl.train import train
 
     cfg = validate({

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import yaml
 
-from grouprl.config import (
+from grouprl.config.loading import (
     AlgorithmConfig,
     Config,
     ConfigError,
@@ -16,7 +16,7 @@ from grouprl.config import (
     save_resolved,
     validate,
 )
-from grouprl.objectives.presets import PRESETS, preset_settings
+from grouprl.config.presets import PRESETS, preset_settings
 
 
 def minimal() -> dict:
@@ -315,7 +315,7 @@ def test_empty_yaml_file_is_an_empty_mapping(tmp_path):
 
 
 def test_run_config_files_keep_what_the_user_set_apart_from_what_was_filled(tmp_path):
-    from grouprl.config import save_run_config, user_settings
+    from grouprl.config.loading import save_run_config, user_settings
 
     raw = {**minimal(), "algorithm": {"preset": "dapo", "eps_high": 0.3},
            "run": {"resume": True, "output_dir": str(tmp_path)}, "train": {"betas": (0.8, 0.9)}}  # fmt: skip

@@ -6,8 +6,8 @@ import typing
 
 import pytest
 
-from grouprl.config import Config, ConfigError, DiffusionConfig, validate
-from grouprl.policies.samplers import SAMPLERS
+from grouprl.config.loading import Config, ConfigError, DiffusionConfig, validate
+from grouprl.policies.flow.samplers import SAMPLERS
 
 
 def raw(**diffusion) -> dict:
@@ -146,7 +146,7 @@ def test_combinations_that_do_work():
 
 
 def test_the_dotted_override_path_reaches_the_section():
-    from grouprl.config import apply_overrides
+    from grouprl.config.loading import apply_overrides
 
     cfg = validate(apply_overrides(raw(), ["diffusion.sampler=dance_sde", "diffusion.eta=0.25"]))
     assert (cfg.diffusion.sampler, cfg.diffusion.eta) == ("dance_sde", 0.25)

@@ -34,10 +34,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grouprl.checkpoint import CheckpointManager
 from grouprl.cli import main as grouprl_main
-from grouprl.config import load_config
+from grouprl.config.loading import load_config
 from grouprl.replicas import build_replica
+from grouprl.runtime.checkpoint import CheckpointManager
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "diffusion"
 PROMPT = "a red bicycle leaning against a brick wall"
@@ -193,7 +193,7 @@ def test_master_weights_and_optimizer_state_are_float32(trained, name):
 
 def _policy(cfg, ckpt: Path):
     """grouprl's trained policy: built from the run's config, weights from its checkpoint."""
-    from grouprl.build import build_policy
+    from grouprl.runtime.build import build_policy
 
     policy = build_policy(cfg, torch.device("cpu"))
     state = CheckpointManager.load(ckpt)
@@ -206,7 +206,7 @@ def _policy(cfg, ckpt: Path):
 
 def _denoise(policy, model, x, sigma, dtype):
     """One denoiser call through grouprl's family call, without CFG: [1, *latent] float32."""
-    from grouprl.policies.flow_models import predict
+    from grouprl.policies.flow.models import predict
 
     timestep = torch.tensor([500.0]) if policy.family.name == "unet" else sigma * 1000
     cond = policy.encode([PROMPT]) if policy.prompt_encoder is not None else None
@@ -317,7 +317,7 @@ def test_rollout_sigmas_are_the_pipelines_own(replicas, rep, tmp_path):
     this check apart from the precision work."""
     import diffusers
 
-    from grouprl.build import build_policy
+    from grouprl.runtime.build import build_policy
 
     name, k = SCHEDULE_CASES[rep], 4
     over = overrides(name, replicas, tmp_path, model_path=str(replicas(rep)))

@@ -24,12 +24,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grouprl.checkpoint as checkpoint_mod
+import grouprl.runtime.checkpoint as checkpoint_mod
 import grouprl.train as train_mod
-from grouprl.checkpoint import CheckpointManager, checksum_problem
-from grouprl.config import apply_overrides, validate
-from grouprl.logging import RunLogger
-from grouprl.policies.causal_lm import CausalLMPolicy
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.runtime.checkpoint import CheckpointManager, checksum_problem
+from grouprl.runtime.logging import RunLogger
 
 # (name, owner, attribute, kill before or after the real call)
 KILL_POINTS = [

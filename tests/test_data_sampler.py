@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from grouprl.data import PromptSampler
+from grouprl.rollouts.prompt_sampler import PromptSampler
 
 EXAMPLES = [{"prompt": f"p{i}", "answer": str(i)} for i in range(10)]
 

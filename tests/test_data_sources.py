@@ -7,10 +7,10 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.envs.tasks import build_task
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
 from grouprl.train import train
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from grouprl import diffusion_demo
+from grouprl.demos import images as diffusion_demo
 from grouprl.demos.pretrain import (
     PretrainSettings,
     cache_dir,

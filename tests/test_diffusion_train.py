@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 import grouprl.train as train_mod
-from grouprl.build import build_policy
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.demos.velocity import ShapesVelocityNet
 from grouprl.envs.tasks import build_task
 from grouprl.rollouts import images
+from grouprl.runtime.build import build_policy
+from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import train
 
 NET = {"channels": [8, 16], "emb_dim": 16, "groups": 4}
@@ -91,7 +91,7 @@ def test_a_task_without_default_reward_needs_rewards_in_the_config(tmp_path):
 def sd3_dir(tmp_path_factory):
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    from grouprl.policies.flow_tiny import tiny_sd3_transformer, tiny_text_components, tiny_vae
+    from grouprl.policies.flow.tiny import tiny_sd3_transformer, tiny_text_components, tiny_vae
 
     path = tmp_path_factory.mktemp("tiny_sd3")
     StableDiffusion3Pipeline(
@@ -105,7 +105,7 @@ def sd3_dir(tmp_path_factory):
 def sd1_dir(tmp_path_factory):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from grouprl.policies.flow_tiny import tiny_text_components, tiny_unet, tiny_vae
+    from grouprl.policies.flow.tiny import tiny_text_components, tiny_unet, tiny_vae
 
     path = tmp_path_factory.mktemp("tiny_sd1")
     StableDiffusionPipeline(

@@ -1,4 +1,4 @@
-"""grouprl.distributed: per-sample seeded sampling, the per-process split of every minibatch, and
+"""grouprl.runtime.distributed.dist: per-sample seeded sampling, the per-process split of every minibatch, and
 `accelerate launch` with 2 CPU processes (gloo) against one process on the same global batch.
 
 The end-to-end test launches `accelerate launch --config_file configs/accelerate/ddp.yaml
@@ -24,14 +24,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from grouprl.batching import fill_micro_batches, split_batch
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, validate
-from grouprl.distributed import SINGLE, Dist, NullLogger
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.engines.seeded import SeededChoice, group_seeds, sample_seed
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.seeded import SeededChoice, group_seeds, sample_seed
+from grouprl.rollouts.batching import fill_micro_batches, split_batch
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.runtime.checkpoint import CheckpointManager
+from grouprl.runtime.distributed.dist import SINGLE, Dist, NullLogger
 from grouprl.train import train
 from grouprl.types import Rollout, TokenBatch
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_runs import arithmetic_run
 
-from grouprl.config import validate
+from grouprl.config.loading import validate
 from grouprl.policies.dropout import disable_dropout
 from grouprl.train import train
 

@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grouprl.config import ConfigError, apply_overrides, validate
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines.sync import (
+from grouprl.config.loading import ConfigError, apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.sync import (
     engine_mismatch,
     push_weights,
     release_engine,
     step_mismatch,
 )
-from grouprl.rollouts.engines.vllm import engine_state_dict, prompt_runs
+from grouprl.policies.text.engines.vllm import engine_state_dict, prompt_runs
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.types import Rollout
 
 T = torch.tensor

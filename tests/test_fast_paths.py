@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grouprl.policies.fast_logprobs import prompt_runs
-from grouprl.policies.fused_head import fused_head_logprobs
-from grouprl.policies.logprobs import completion_logprobs, token_logp_entropy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines import HFEngine, SamplingParams, TextEngine
-from grouprl.rollouts.engines.fast import BLOCK, FastEngine, _runs, sample_tokens
+from grouprl.policies.text.engines import HFEngine, SamplingParams, TextEngine
+from grouprl.policies.text.engines.fast import BLOCK, FastEngine, _runs, sample_tokens
+from grouprl.policies.text.fast_logprobs import prompt_runs
+from grouprl.policies.text.fused_head import fused_head_logprobs
+from grouprl.policies.text.logprobs import completion_logprobs, token_logp_entropy
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.types import TokenBatch
 
 PROMPTS = ["ab", "hello there, how", "x"]
@@ -243,9 +243,9 @@ def test_engine_contract_and_training_mode_restored():
 
 
 def test_policy_and_config_select_the_engine(tiny_model_dir):
-    from grouprl.build import build_policy
-    from grouprl.config import Config
-    from grouprl.policies.causal_lm import CausalLMPolicy
+    from grouprl.config.loading import Config
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
+    from grouprl.runtime.build import build_policy
 
     cfg = Config.model_validate(
         {"model": {"name_or_path": str(tiny_model_dir)}, "task": {"name": "arithmetic"},
@@ -258,7 +258,7 @@ def test_policy_and_config_select_the_engine(tiny_model_dir):
 
 def test_engine_log_probs_equal_the_trainers_under_lora():
     """The engine runs the adapters (they are injected into the base model it calls)."""
-    from grouprl.policies.causal_lm import CausalLMPolicy
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
 
     tok = char_tokenizer()
     policy = CausalLMPolicy(
@@ -394,7 +394,7 @@ def test_fast_path_with_one_token_completions_tied_head_and_checkpointing():
 
 
 def test_fast_path_with_lora_adapters_and_lora_on_the_head():
-    from grouprl.policies.causal_lm import CausalLMPolicy
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
 
     tok = char_tokenizer()
     for targets in (["q_proj", "v_proj"], ["q_proj", "lm_head"]):  # lm_head LoRA: chunked head
@@ -418,8 +418,8 @@ def test_unknown_path_is_an_error():
 
 def test_one_training_update_is_the_same_with_either_path(tiny_model_dir):
     """train.update with model.logprob_path fast vs plain: same loss, same gradients."""
-    from grouprl.build import build_optimizer, build_policy
-    from grouprl.config import Config
+    from grouprl.config.loading import Config
+    from grouprl.runtime.build import build_optimizer, build_policy
     from grouprl.train import update
     from grouprl.types import Rollout
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grouprl.objectives.flow_guard import guard_log_ratio, guard_step_loss, mean_bias
+from grouprl.objectives.flow.guard import guard_log_ratio, guard_step_loss, mean_bias
 
 F64 = torch.float64
 

@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
-from grouprl.policies.flow import FlowPolicy
-from grouprl.policies.flow_lora import LORA_FILE
-from grouprl.policies.flow_text import PromptEncoder
-from grouprl.policies.flow_tiny import (
+from grouprl.policies.flow.lora import LORA_FILE
+from grouprl.policies.flow.policy import FlowPolicy
+from grouprl.policies.flow.text_encoders import PromptEncoder
+from grouprl.policies.flow.tiny import (
     tiny_flux_transformer,
     tiny_sd3_transformer,
     tiny_text_components,
     tiny_unet,
     tiny_vae,
 )
-from grouprl.policies.unet import UNetPolicy
+from grouprl.policies.flow.unet import UNetPolicy
 
 
 def _perturb_lora(policy, seed=1):

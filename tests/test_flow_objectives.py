@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from grouprl.config import DiffusionConfig
-from grouprl.objectives.flow_objectives import (
+from grouprl.config.loading import DiffusionConfig
+from grouprl.objectives.flow.losses import (
     LIKELIHOOD_FREE,
     awm_log_likelihood,
     awm_loss,
@@ -16,7 +16,7 @@ from grouprl.objectives.flow_objectives import (
     nft_loss,
     optimality_probability,
 )
-from grouprl.objectives.flow_support import (
+from grouprl.objectives.flow.support import (
     EMA_DECAYS,
     ema_update_,
     likelihood_free_options,

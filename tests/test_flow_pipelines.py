@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from grouprl.build_flow import build_flow_policy
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.flow_tiny import (
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.flow.build import build_flow_policy
+from grouprl.policies.flow.tiny import (
     tiny_flux_transformer,
     tiny_sd3_transformer,
     tiny_text_components,
@@ -193,7 +193,7 @@ def test_flow_sde_treats_unipcs_first_sigma_as_one():
     """UniPC's flow sigmas start at 1 - 1e-6 (Wan); 1 - sigma there would give g = 0.7 * 1000.
     Flow-GRPO's sigma = 1 rule (1 - sigma -> 1 - sigma_next) applies: std = a sqrt(s / (1 - sn))
     sqrt(s - sn) = 0.7 sqrt(1 / 0.2) sqrt(0.2) = 0.7 at s = 1, sn = 0.8."""
-    from grouprl.policies.samplers import flow_sde
+    from grouprl.policies.flow.samplers import flow_sde
 
     x, v = torch.randn(2, 4), torch.randn(2, 4)
     for s in (1.0, 1 - 1e-6):
@@ -202,7 +202,7 @@ def test_flow_sde_treats_unipcs_first_sigma_as_one():
 
 
 def test_a_non_flow_scheduler_is_refused():
-    from grouprl.policies.flow_schedule import flow_sigmas
+    from grouprl.policies.flow.schedule import flow_sigmas
 
     with pytest.raises(ValueError, match="use_flow_sigmas"):
         flow_sigmas({"_class_name": "UniPCMultistepScheduler"}, 3)
@@ -220,7 +220,7 @@ def test_low_precision_trains_float32_weights_and_samples(tmp_path, pipelines, f
     """The frozen base keeps model.dtype, every trainable weight (and so AdamW's moments) is float32,
     sampling and a backward pass work and stay finite. Old code: bf16 / fp16 trainable weights, and
     Wan in bf16 crashed before step 0 (its float32 scale_shift_table set the input dtype)."""
-    from grouprl.build import build_optimizer
+    from grouprl.runtime.build import build_optimizer
 
     over = ["model.lora=null"] if lora == "full" else []
     cfg = _cfg(tmp_path, pipelines[family], family, f"model.dtype={dtype}", *over)
@@ -260,7 +260,7 @@ def test_fp16_lora_config_trains_three_steps_and_saves(tmp_path, pipelines, fami
     float16)."""
     from safetensors.torch import load_file
 
-    from grouprl.checkpoint import CheckpointManager
+    from grouprl.runtime.checkpoint import CheckpointManager
     from grouprl.train import train
 
     cfg = _cfg(tmp_path, pipelines[family], family, "model.dtype=float16", "train.steps=3",
@@ -304,7 +304,7 @@ def test_gradient_checkpointing_reaches_the_denoiser(tmp_path, pipelines, family
 
 
 def test_gradient_checkpointing_on_a_module_without_it_is_an_error():
-    from grouprl.policies.flow import FlowPolicy
+    from grouprl.policies.flow.policy import FlowPolicy
 
     with pytest.raises(ValueError, match="has no gradient checkpointing"):
         FlowPolicy(torch.nn.Linear(3, 3), latent_shape=(3, 4, 4), gradient_checkpointing=True)
@@ -313,8 +313,8 @@ def test_gradient_checkpointing_on_a_module_without_it_is_an_error():
 _PEAK = r"""
 import resource, sys, torch
 from diffusers import SD3Transformer2DModel
-from grouprl.policies.flow import FlowPolicy
-from grouprl.policies.flow_types import FlowCondition
+from grouprl.policies.flow.policy import FlowPolicy
+from grouprl.policies.flow.types import FlowCondition
 torch.manual_seed(0)
 net = SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=8,
     attention_head_dim=32, num_attention_heads=4, caption_projection_dim=128,
@@ -346,7 +346,7 @@ def test_gradient_checkpointing_lowers_peak_memory():
 
 
 def _checkpoint_model(run_dir):
-    from grouprl.checkpoint import CheckpointManager
+    from grouprl.runtime.checkpoint import CheckpointManager
 
     return CheckpointManager(run_dir).latest() / "model"
 

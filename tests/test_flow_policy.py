@@ -7,9 +7,9 @@ import torch
 
 from grouprl.objectives import compute_advantages
 from grouprl.objectives.objective import count_tokens, total_loss
-from grouprl.policies.flow import FlowPolicy, latent_shape_for
-from grouprl.policies.flow_text import PromptEncoder, class_condition
-from grouprl.policies.flow_tiny import (
+from grouprl.policies.flow.policy import FlowPolicy, latent_shape_for
+from grouprl.policies.flow.text_encoders import PromptEncoder, class_condition
+from grouprl.policies.flow.tiny import (
     tiny_flux_transformer,
     tiny_sd3_transformer,
     tiny_text_components,
@@ -17,7 +17,7 @@ from grouprl.policies.flow_tiny import (
     tiny_wan_transformer,
     tiny_wan_vae,
 )
-from grouprl.policies.flow_types import FlowCondition
+from grouprl.policies.flow.types import FlowCondition
 
 SD3_SCHED = {"shift": 3.0}
 FLUX_SCHED = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}
@@ -116,7 +116,7 @@ def test_sd3_eval_sampling_equals_the_pipeline():
 def test_flux_eval_sampling_equals_the_pipeline():
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from grouprl.policies.flow_models import pack_flux, unpack_flux
+    from grouprl.policies.flow.models import pack_flux, unpack_flux
 
     pol, cond = _flux(), _flux_cond()
     r = pol.sample(cond, 1, mode="eval", steps=3, generator=_gen())

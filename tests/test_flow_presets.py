@@ -8,11 +8,11 @@ from collections.abc import Mapping
 import pytest
 import yaml
 
-from grouprl.config import load_config, validate
-from grouprl.objectives.flow_objectives import LIKELIHOOD_FREE
-from grouprl.objectives.flow_presets import FLOW_PRESETS
-from grouprl.objectives.presets import PRESETS, Preset, preset_settings
-from grouprl.policies.samplers import SAMPLERS
+from grouprl.config.loading import load_config, validate
+from grouprl.config.presets import PRESETS, Preset, preset_settings
+from grouprl.config.presets.flow import FLOW_PRESETS
+from grouprl.objectives.flow.losses import LIKELIHOOD_FREE
+from grouprl.policies.flow.samplers import SAMPLERS
 
 FLOW = ["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "ddpo", "diffusion_nft", "awm"]
 MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grouprl.policies.flow_math import gaussian_mean_kl, ratio_diagnostics
-from grouprl.policies.flow_schedule import (
+from grouprl.policies.flow.gaussian import gaussian_mean_kl, ratio_diagnostics
+from grouprl.policies.flow.schedule import (
     StepSelectionSettings,
     dynamic_shift_mu,
     flow_sigmas,

@@ -15,8 +15,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grouprl.config import Config, ConfigError, load_config, validate
-from grouprl.config_sections import RewardConfig
+from grouprl.config.loading import Config, ConfigError, load_config, validate
+from grouprl.config.sections import RewardConfig
 
 FUZZ = settings(max_examples=250, deadline=5000, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
@@ -106,7 +106,7 @@ def test_fuzz_yaml_text_and_overrides(tmp_path_factory, reliability_counts, doc,
 @FUZZ
 @given(mappings, overrides)
 def test_fuzz_schema_shaped_mappings(reliability_counts, raw, items):
-    from grouprl.config import apply_overrides
+    from grouprl.config.loading import apply_overrides
 
     key = "fuzz cases: config loader, schema-shaped mappings + overrides"
     reliability_counts[key] = reliability_counts.get(key, 0) + 1

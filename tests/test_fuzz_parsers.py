@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from grouprl.envs.answers import between_tags, gsm8k_answer, last_number, same_answer, to_fraction
 from grouprl.envs.rewards.text import accuracy_reward
-from grouprl.policies.agent import ParsedAction, format_tool_call, parse_action
+from grouprl.envs.tools.calls import ParsedAction, format_tool_call, parse_action
 
 
 def fuzz(n: int, deadline_ms: int):

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines import GenerationOutput, HFEngine, SamplingParams, TextEngine
-from grouprl.rollouts.engines.hf import _stop_cut
+from grouprl.policies.text.engines import GenerationOutput, HFEngine, SamplingParams, TextEngine
+from grouprl.policies.text.engines.hf import _stop_cut
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 
 
 def _biased(tok, bias: dict[int, float], seed=0):
@@ -178,7 +178,7 @@ def test_protocol_validation_and_errors():
 
 @pytest.mark.parametrize("engine_cls", ["HFEngine", "FastEngine"])
 def test_in_process_engines_share_validation_and_eos_pad(engine_cls):
-    from grouprl.rollouts import engines
+    from grouprl.policies.text import engines
 
     cls = getattr(engines, engine_cls)
     tok = char_tokenizer()

@@ -216,7 +216,7 @@ def test_normalize_then_sum_combines_image_rewards_per_reward():
 def _tiny_clip_tokenizer():
     from transformers import CLIPTokenizer
 
-    from grouprl.policies.tiny import _byte_symbols
+    from grouprl.policies.text.tiny import _byte_symbols
 
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):  # every byte alone, and as the last symbol of a word

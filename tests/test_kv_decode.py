@@ -24,15 +24,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines import SamplingParams
-from grouprl.rollouts.engines.fast import FastEngine
-from grouprl.rollouts.engines.kv_decode import (
+from grouprl.policies.text.engines import SamplingParams
+from grouprl.policies.text.engines.fast import FastEngine
+from grouprl.policies.text.engines.kv_decode import (
     DynamicKVDecoder,
     StaticKVDecoder,
     make_decoder,
     static_kv_unsupported,
 )
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 
 V = 50
 SIZES = dict(

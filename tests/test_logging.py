@@ -8,8 +8,8 @@ import pytest
 import torch
 from rich.console import Console
 
-import grouprl.logging as glog
-from grouprl.logging import RunLogger, format_status, md_cell, to_float
+import grouprl.runtime.logging as glog
+from grouprl.runtime.logging import RunLogger, format_status, md_cell, to_float
 
 
 def _lines(path):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.train import train
 
 
@@ -79,7 +79,7 @@ def test_dump_resumes_identically(tmp_path, tiny_model_dir):
     """The curriculum state is checkpointed: crash after step 2, resume, same weights as no crash."""
     from safetensors.torch import load_file
 
-    from grouprl.checkpoint import CheckpointManager
+    from grouprl.runtime.checkpoint import CheckpointManager
 
     common = ["algorithm.preset=dump", "curriculum.source_column=op", "train.steps=3",
               "checkpoint.every=2"]  # fmt: skip

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.rollouts.multi_turn import (
     collect_episodes,
     first_messages,
@@ -402,7 +402,7 @@ def test_per_sample_seeds_make_episodes_independent_of_batching(tiny_model_dir):
 def test_turn_seeds_hand_checked():
     import hashlib
 
-    from grouprl.rollouts.engines.seeded import turn_seed
+    from grouprl.policies.text.engines.seeded import turn_seed
 
     digest = hashlib.blake2b(b"7:1:2:3", digest_size=8).digest()
     assert turn_seed(7, 1, 2, 3) == int.from_bytes(digest, "little") & (2**63 - 1)
@@ -415,7 +415,7 @@ def test_turn_seeds_hand_checked():
     [("per_sample", False, 5), ("global", False, None), ("per_sample", True, None)],
 )
 def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want):
-    from grouprl.config import validate
+    from grouprl.config.loading import validate
     from grouprl.rollouts import episodes
 
     seen = {}

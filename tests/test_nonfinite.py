@@ -12,15 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 import grouprl.train as train_mod
-from grouprl.build import build_optimizer
-from grouprl.checkpoint import CheckpointManager, NonFiniteCheckpointError, check_all_finite
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.envs.rewards import build_reward
 from grouprl.objectives import compute_advantages
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
-from grouprl.run_state import save_checkpoint
+from grouprl.runtime.build import build_optimizer
+from grouprl.runtime.checkpoint import CheckpointManager, NonFiniteCheckpointError, check_all_finite
+from grouprl.runtime.run_state import save_checkpoint
 from grouprl.train import NonFiniteLossError, train
 from grouprl.types import LossOutput
 
@@ -220,7 +220,7 @@ def test_an_infinite_reward_is_a_clear_error(tiny_model_dir, tmp_path, monkeypat
 
 @pytest.mark.parametrize("where", ["weights", "optimizer"])
 def test_save_refuses_nonfinite_weights_or_optimizer_state(where, tiny_model_dir, tmp_path):
-    from grouprl.data import PromptSampler
+    from grouprl.rollouts.prompt_sampler import PromptSampler
 
     cfg = make_cfg(tmp_path, tiny_model_dir)
     policy = CausalLMPolicy.from_pretrained(str(tiny_model_dir))

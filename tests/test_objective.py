@@ -7,16 +7,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grouprl.config.presets import PRESETS, preset_settings
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.kl import kl_penalty
 from grouprl.objectives.losses import policy_loss
 from grouprl.objectives.objective import count_tokens, total_loss
-from grouprl.objectives.presets import PRESETS, preset_settings
 from grouprl.types import PolicyOutput
 
 F64 = torch.float64
 
-# the `algorithm:` config defaults (brief / grouprl/config.py)
+# the `algorithm:` config defaults (brief / grouprl/config/loading.py)
 DEFAULTS = dict(
     preset="grpo", advantage="grpo", scale="group", adv_eps=1e-4,
     reward_aggregation="sum_then_normalize", ratio_level="token", surrogate="clip",

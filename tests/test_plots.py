@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from grouprl.plots import choose_panels, plot_curves, read_series, smooth
+from grouprl.runtime.plots import choose_panels, plot_curves, read_series, smooth
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

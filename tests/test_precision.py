@@ -21,13 +21,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.flow import FlowPolicy
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.flow.policy import FlowPolicy
 from grouprl.policies.precision import LossScaler, compute_dtype_of, loss_scaler_for
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
+from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import train
 
 # ---- the loss scaler ---------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_loss_scaler_state_is_plain_json_and_round_trips():
 
 def test_compute_dtype_is_the_dtype_most_weights_are_stored_in():
     """Wan keeps its first parameter (scale_shift_table) in float32 while the rest is bf16."""
-    from grouprl.policies.flow_tiny import tiny_wan_transformer
+    from grouprl.policies.flow.tiny import tiny_wan_transformer
 
     net = tiny_wan_transformer()
     net.to(torch.bfloat16)
@@ -145,8 +145,8 @@ def test_text_bf16_and_fp16_track_float32_over_20_steps():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_flow_bf16_and_fp16_track_float32_over_20_steps(seed):
-    from grouprl.policies.flow_tiny import tiny_sd3_transformer
-    from grouprl.policies.flow_types import FlowCondition
+    from grouprl.policies.flow.tiny import tiny_sd3_transformer
+    from grouprl.policies.flow.types import FlowCondition
 
     torch.manual_seed(seed)  # the LoRA A initialisation (gaussian)
     g = torch.Generator().manual_seed(seed)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from grouprl.config import validate
-from grouprl.objectives.presets import PRESETS, Preset, preset_settings
+from grouprl.config.loading import validate
+from grouprl.config.presets import PRESETS, Preset, preset_settings
 
 EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
@@ -103,7 +103,7 @@ def test_unknown_preset_names_nearest():
 def test_config_literals_match_our_registries():
     from typing import get_args
 
-    from grouprl.config import AlgorithmConfig
+    from grouprl.config.loading import AlgorithmConfig
     from grouprl.objectives.advantages import ADVANTAGES
     from grouprl.objectives.aggregation import AGGREGATIONS
     from grouprl.objectives.correction import CORRECTIONS

@@ -1,5 +1,5 @@
 """Processes that user code starts in a reward / env worker, setsid daemons included, end with the
-worker (grouprl/process_tree.py). The end-to-end check through `grouprl train` is in
+worker (grouprl/runtime/process_tree.py). The end-to-end check through `grouprl train` is in
 test_run_dir.py; these call the isolation wrappers directly."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from grouprl.env_isolation import GuardedEnv
-from grouprl.process_tree import descendants, kill_tree
-from grouprl.reward_isolation import IsolatedReward
+from grouprl.runtime.env_guard import GuardedEnv
+from grouprl.runtime.process_tree import descendants, kill_tree
+from grouprl.runtime.reward_guard import IsolatedReward
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -101,7 +101,7 @@ def test_kill_tree_kills_a_whole_tree_and_nothing_else(tmp_path):
         os._exit(0)
     root = os.fork()
     if root == 0:
-        from grouprl.process_tree import become_subreaper
+        from grouprl.runtime.process_tree import become_subreaper
 
         become_subreaper()
         _spawn_daemon(pid_file)

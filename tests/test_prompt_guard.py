@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.causal_lm import CausalLMPolicy
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.rollouts.prompt_guard import guard_prompts, prompt_limit
 from grouprl.train import train
 

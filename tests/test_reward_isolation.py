@@ -14,20 +14,20 @@ import time
 import pytest
 import torch
 
-from grouprl.config import ConfigError, apply_overrides, validate
-from grouprl.env_isolation import EnvFailure, EnvGuard, GuardedEnv
+from grouprl.config.loading import ConfigError, apply_overrides, validate
 from grouprl.envs.rewards import score_completions
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.reward_isolation import (
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
+from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.runtime.env_guard import EnvFailure, EnvGuard, GuardedEnv
+from grouprl.runtime.reward_guard import (
     IsolatedReward,
     RewardFailure,
     drain_reward_metrics,
     isolate_rewards,
     isolation_settings,
 )
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
-from grouprl.rollouts.multi_turn import collect_episodes
 
 HANG_S = 30.0  # what a hanging call would cost without the deadline
 
@@ -198,8 +198,8 @@ def _loop_cfg(tmp_path, model_dir, *overrides):
 def test_the_loop_counts_reward_timeouts_and_errors(tmp_path, tiny_model_dir):
     import json
 
-    from grouprl.data import PromptSampler
     from grouprl.envs.tasks import build_task
+    from grouprl.rollouts.prompt_sampler import PromptSampler
     from grouprl.train import train
 
     cfg = _loop_cfg(tmp_path, tiny_model_dir)

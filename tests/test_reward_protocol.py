@@ -8,7 +8,7 @@ import warnings
 import pytest
 from tiny_runs import arithmetic_run
 
-from grouprl.config import validate
+from grouprl.config.loading import validate
 from grouprl.envs.rewards import load_reward_fn, score_completions
 from grouprl.envs.rewards.health import RewardFailedError, RewardFailedWarning, RewardHealth
 from grouprl.envs.rewards.loading import RewardSignatureError
@@ -179,7 +179,7 @@ def test_reward_health_counts_consecutive_all_failed_steps():
 
 
 def test_isolated_rewards_use_the_keyword_protocol_too():
-    from grouprl.reward_isolation import IsolatedReward
+    from grouprl.runtime.reward_guard import IsolatedReward
 
     def trl(prompts, completions, **kwargs):
         return [float(p == "p" and c == "a") for p, c in zip(prompts, completions)]

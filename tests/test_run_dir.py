@@ -20,11 +20,11 @@ import pytest
 import yaml
 from tiny_runs import arithmetic_run
 
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import load_config, validate
-from grouprl.run_state import CHANGES_FILE, ConfigChangedError
+from grouprl.config.loading import load_config, validate
+from grouprl.runtime.checkpoint import CheckpointManager
+from grouprl.runtime.run_state import CHANGES_FILE, ConfigChangedError
+from grouprl.runtime.user_inputs import ModelPathError, check_model_path
 from grouprl.train import train
-from grouprl.user_inputs import ModelPathError, check_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

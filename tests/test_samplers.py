@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-from grouprl.policies.samplers import (
+from grouprl.policies.flow.samplers import (
     SAMPLER_OPTIONS,
     SAMPLERS,
     StepOutput,

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from grouprl.demos.sft import greedy_exact_match, supervised_warmup
 from grouprl.envs.tasks import build_task
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.engines.hf import HFEngine
-from grouprl.sft import greedy_exact_match, supervised_warmup
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.hf import HFEngine
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 
 TASK = build_task("arithmetic", n_train=8, n_eval=8, ops="+", max_value=9)
 

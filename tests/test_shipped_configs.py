@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from grouprl.config import load_config
+from grouprl.config.loading import load_config
 from grouprl.envs.tasks import build_task
 
 # configs/accelerate/ holds accelerate launch configs (tests/test_distributed.py checks them)

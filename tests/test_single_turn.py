@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
 
 EXAMPLES = [

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 
 
 def test_ids_are_one_per_ascii_char_and_hand_computable():

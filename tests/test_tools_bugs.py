@@ -18,14 +18,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from grouprl.config import apply_overrides, validate
+from grouprl.config.loading import apply_overrides, validate
 from grouprl.envs.toolmath import ToolMathEnv
-from grouprl.policies.agent import ParsedAction
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import char_tokenizer, tiny_qwen2
-from grouprl.policies.tools import ToolSet
+from grouprl.envs.tools.calls import ParsedAction
+from grouprl.envs.tools.schemas import ToolSet
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams
+from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.replicas.text import build
-from grouprl.rollouts.engines.base import GenerationOutput, SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
 
 FAMILIES = ("qwen2.5", "qwen3", "llama3", "mistral")

@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 from test_tools_bugs import FAMILIES, AnswerEnv, add, mul, replica_tokenizers, run_episode
 from transformers import AutoTokenizer
 
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.agent import ParsedAction
-from grouprl.policies.tiny import char_tokenizer
-from grouprl.policies.tool_formats import (
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.envs.tools.calls import ParsedAction
+from grouprl.envs.tools.formats import (
     detect_tool_format,
     parse_tool_calls,
     render_tool_call,
     text_outside_calls,
 )
-from grouprl.policies.tools import ToolSet, load_tools, tools_system_prompt, valid_utf8
+from grouprl.envs.tools.schemas import ToolSet, load_tools, tools_system_prompt, valid_utf8
+from grouprl.policies.text.tiny import char_tokenizer
 from grouprl.replicas.text import build
 
 

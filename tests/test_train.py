@@ -13,12 +13,12 @@ import yaml
 from safetensors.torch import load_file
 
 import grouprl.train as train_mod
-from grouprl.checkpoint import CheckpointManager
-from grouprl.config import apply_overrides, load_config, validate
+from grouprl.config.loading import apply_overrides, load_config, validate
 from grouprl.objectives import compute_advantages
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
+from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import NonFiniteLossError, train
 from grouprl.types import LossOutput
 

@@ -8,9 +8,9 @@ import torch
 
 from grouprl.objectives import compute_advantages
 from grouprl.objectives.objective import count_tokens, total_loss
-from grouprl.policies.flow_tiny import tiny_unet, tiny_vae
-from grouprl.policies.flow_types import FlowCondition
-from grouprl.policies.unet import DDPO_SCHEDULER, UNetPolicy
+from grouprl.policies.flow.tiny import tiny_unet, tiny_vae
+from grouprl.policies.flow.types import FlowCondition
+from grouprl.policies.flow.unet import DDPO_SCHEDULER, UNetPolicy
 
 
 def _gen(seed=0):

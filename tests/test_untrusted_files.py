@@ -21,10 +21,14 @@ import pytest
 import torch
 from tiny_runs import arithmetic_run
 
-from grouprl.checkpoint import CheckpointManager, LegacyCheckpointError, capture_rng, restore_rng
-from grouprl.config import validate
-from grouprl.train import train
-from grouprl.trainer_state import (
+from grouprl.config.loading import validate
+from grouprl.runtime.checkpoint import (
+    CheckpointManager,
+    LegacyCheckpointError,
+    capture_rng,
+    restore_rng,
+)
+from grouprl.runtime.trainer_state import (
     StateEncodingError,
     StateFileError,
     decode_state,
@@ -32,6 +36,7 @@ from grouprl.trainer_state import (
     read_state,
     write_state,
 )
+from grouprl.train import train
 
 
 class _Pwn:
@@ -194,7 +199,7 @@ _BOMB = (
 
 
 def _load_in_child(path, queue) -> None:
-    from grouprl.config import load_config
+    from grouprl.config.loading import load_config
 
     try:
         load_config(path)
@@ -207,7 +212,7 @@ def test_yaml_alias_bomb_fails_fast_and_normal_anchors_still_work(tmp_path):
     import multiprocessing as mp
     import time
 
-    from grouprl.config import load_config
+    from grouprl.config.loading import load_config
 
     assert len(_BOMB) < 1024
     path = tmp_path / "bomb.yaml"
@@ -238,7 +243,7 @@ def test_yaml_alias_bomb_fails_fast_and_normal_anchors_still_work(tmp_path):
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
-    from grouprl.config import _load_yaml
+    from grouprl.config.loading import _load_yaml
 
     data = _load_yaml("r: &r {a: 1, b: [1, 2]}\ns: {<<: *r, c: 3}\nt: [*r, *r]\n")
     assert data["s"] == {"a": 1, "b": [1, 2], "c": 3} and data["t"] == [data["r"], data["r"]]
@@ -248,7 +253,7 @@ def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
     "name", ["..", "../elsewhere", "a/../../b", "/tmp/x", "~/x", "a\\..\\b", "", "a//b", "."]
 )
 def test_run_name_cannot_leave_output_dir(name):
-    from grouprl.config import ConfigError
+    from grouprl.config.loading import ConfigError
 
     raw = {"run": {"name": name}, "model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
     with pytest.raises(ConfigError, match=r"run\.name.*relative path inside run\.output_dir"):
@@ -267,7 +272,7 @@ def test_run_name_may_be_a_sub_folder(tmp_path):
 def test_resume_drops_a_torn_last_log_line_and_refuses_a_garbled_middle_one(
     finished_run, tmp_path, tiny_model_dir
 ):
-    from grouprl.logging import LogFileError
+    from grouprl.runtime.logging import LogFileError
 
     shutil.copytree(finished_run, tmp_path / "run")
     run_dir = tmp_path / "run"
@@ -291,7 +296,7 @@ def test_resume_drops_a_torn_last_log_line_and_refuses_a_garbled_middle_one(
 def test_resume_reads_the_run_config_with_the_alias_limit(finished_run, tmp_path, tiny_model_dir):
     """A run directory from someone else with an alias bomb as its config record: resume stops
     at once with the reason instead of hanging while comparing configs."""
-    from grouprl.run_state import config_changes
+    from grouprl.runtime.run_state import config_changes
 
     shutil.copytree(finished_run, tmp_path / "run")
     (tmp_path / "run" / "config.resolved.yaml").write_text(_BOMB)

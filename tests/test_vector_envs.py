@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_multi_turn import CounterEnv, scripted_policy
 
-from grouprl.env_isolation import EnvGuard
 from grouprl.envs.vector import VectorRunner
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.runtime.env_guard import EnvGuard
 
 
 def _collect(mode: str, make_env, seeds=(0, 1, 2), group_size=3):

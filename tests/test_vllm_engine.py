@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
-from grouprl.config import apply_overrides, validate
-from grouprl.policies.causal_lm import CausalLMPolicy
-from grouprl.policies.tiny import save_tiny
-from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.engines.hf import HFEngine, _stop_cut
+from grouprl.config.loading import apply_overrides, validate
+from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.hf import HFEngine, _stop_cut
+from grouprl.policies.text.tiny import save_tiny
 
 pytestmark = [
     pytest.mark.vllm,
@@ -51,7 +51,7 @@ def vllm_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(vllm_model_dir, tmp_path_factory):
-    from grouprl.rollouts.engines.vllm_setup import engine_from_config
+    from grouprl.policies.text.engines.vllm_setup import engine_from_config
 
     # built from the same config as the training test below, so that run reuses this engine
     return engine_from_config(make_cfg(tmp_path_factory.mktemp("cfg"), vllm_model_dir), "cpu")
@@ -165,7 +165,7 @@ def test_greedy_matches_hf_engine(policy, engine):
 def test_sleep_wake_sequence_through_vllm(policy, engine):
     """The GPU sleep path's calls, made on this CPU build (where vLLM's worker ignores them): the
     engine records which memory sleeps, a push wakes the weights only, generate the rest."""
-    from grouprl.rollouts.engines.vllm import VLLMEngine
+    from grouprl.policies.text.engines.vllm import VLLMEngine
 
     calls = []
     llm = engine.llm
@@ -282,7 +282,7 @@ def test_multi_turn_episodes_token_in_token_out(policy):
 
 
 def test_errors(engine, vllm_model_dir, tmp_path, monkeypatch):
-    from grouprl.rollouts.engines.vllm_setup import (
+    from grouprl.policies.text.engines.vllm_setup import (
         VLLMSettings,
         build_llm,
         engine_from_config,
@@ -306,7 +306,7 @@ def test_errors(engine, vllm_model_dir, tmp_path, monkeypatch):
 
 
 def test_train_run_pushes_weights_and_logs_mismatch(tmp_path, vllm_model_dir, engine):
-    from grouprl.checkpoint import CheckpointManager
+    from grouprl.runtime.checkpoint import CheckpointManager
     from grouprl.train import train
 
     perturb_policy = CausalLMPolicy.from_pretrained(str(vllm_model_dir), engine=engine)

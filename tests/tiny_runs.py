@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from grouprl.config import apply_overrides
+from grouprl.config.loading import apply_overrides
 
 BASE: dict[str, Any] = {
     "run": {"name": "run", "seed": 0, "device": "cpu", "console": False},

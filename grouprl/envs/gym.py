@@ -33,7 +33,7 @@ import gymnasium
 from gymnasium import spaces
 
 from grouprl.envs.checks import check_text_env, system_prompt_of  # noqa: F401  (re-exported)
-from grouprl.policies.agent import parse_action
+from grouprl.envs.tools.calls import parse_action
 
 TEXT_CHARSET = string.printable
 MAX_ACTION_CHARS = (

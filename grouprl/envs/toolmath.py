@@ -35,7 +35,7 @@ import numpy as np
 from grouprl.envs.answers import last_number, same_answer
 from grouprl.envs.gym import MAX_ACTION_CHARS, text_space
 from grouprl.envs.sandbox import Isolation, SandboxResult, run_python
-from grouprl.policies.agent import parse_action
+from grouprl.envs.tools.calls import parse_action
 
 TOOL_SCHEMA: dict[str, Any] = {
     "type": "function",

@@ -5,18 +5,16 @@ engine_is_weights, high_entropy_mask, entropy_bonus, the likelihood-free flow lo
 (LIKELIHOOD_FREE: nft_loss, awm_loss) and the presets.
 """
 
-from grouprl.objectives import presets
 from grouprl.objectives.advantages import ADVANTAGES, compute_advantages
 from grouprl.objectives.aggregation import AGGREGATIONS, aggregate, delta_l_weights
 from grouprl.objectives.correction import CORRECTIONS, engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask, token_entropy_from_logits
-from grouprl.objectives.flow_guard import guard_log_ratio, guard_step_loss
-from grouprl.objectives.flow_objectives import LIKELIHOOD_FREE, awm_loss, nft_loss
+from grouprl.objectives.flow.guard import guard_log_ratio, guard_step_loss
+from grouprl.objectives.flow.losses import LIKELIHOOD_FREE, awm_loss, nft_loss
 from grouprl.objectives.group_losses import pmd_token_loss, tpo_loss
 from grouprl.objectives.kl import KL_ESTIMATORS, kl_in_reward, kl_penalty, sequence_kl
 from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
 from grouprl.objectives.objective import count_tokens, total_loss
-from grouprl.objectives.presets import PRESETS, preset_settings
 from grouprl.objectives.token_scales import (
     EGSW_MODES,
     TOKEN_SCALES,
@@ -31,7 +29,6 @@ __all__ = [
     "EGSW_MODES",
     "KL_ESTIMATORS",
     "LIKELIHOOD_FREE",
-    "PRESETS",
     "RATIO_LEVELS",
     "SURROGATES",
     "TOKEN_SCALES",
@@ -52,8 +49,6 @@ __all__ = [
     "pmd_token_loss",
     "policy_loss",
     "prefix_share_scales",
-    "preset_settings",
-    "presets",
     "sequence_kl",
     "token_entropy_from_logits",
     "total_loss",

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from grouprl.env_isolation import EnvGuard
 from grouprl.envs.gym import make_text_env
+from grouprl.envs.tools.schemas import ToolSet, load_tools
 from grouprl.envs.vector import VectorRunner
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
-from grouprl.policies.tools import ToolSet, load_tools
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.runtime.env_guard import EnvGuard
 from grouprl.types import Rollout
 
 

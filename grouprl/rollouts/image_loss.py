@@ -34,14 +34,14 @@ from torch import Tensor
 
 from grouprl.objectives import LIKELIHOOD_FREE, compute_advantages, total_loss
 from grouprl.objectives.aggregation import aggregate
-from grouprl.objectives.flow_guard import guard_step_loss
-from grouprl.objectives.flow_support import (
+from grouprl.objectives.flow.guard import guard_step_loss
+from grouprl.objectives.flow.support import (
     EMA_DECAYS,
     likelihood_free_options,
     stratified_timestep_indices,
 )
 from grouprl.objectives.group_stats import batch_std
-from grouprl.policies.flow_math import ratio_diagnostics
+from grouprl.policies.flow.gaussian import ratio_diagnostics
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout

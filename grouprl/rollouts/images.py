@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from grouprl.envs.rewards import score_completions
-from grouprl.objectives.flow_support import stratified_timestep_indices
-from grouprl.policies.flow_weights import OLD
+from grouprl.objectives.flow.support import stratified_timestep_indices
+from grouprl.policies.flow.weights import OLD
 from grouprl.rollouts.filters import combined_reward
 from grouprl.types import Rollout
 
@@ -48,7 +48,7 @@ def _prompt_condition(cfg: Any, policy: Any, examples: list[dict]):
 
 
 def _class_condition(cfg: Any, policy: Any, examples: list[dict]):
-    from grouprl.policies.flow_text import class_condition
+    from grouprl.policies.flow.text_encoders import class_condition
 
     missing = [ex.get("prompt") for ex in examples if "class_label" not in ex]
     if missing:

@@ -36,8 +36,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Any
 
-from grouprl.envs.vector import VectorRunner
-from grouprl.policies.tool_formats import (
+from grouprl.envs.tools.formats import (
     assistant_tool_calls,
     call_id,
     parse_tool_calls,
@@ -45,7 +44,15 @@ from grouprl.policies.tool_formats import (
     text_outside_calls,
     tool_messages,
 )
-from grouprl.policies.tools import ToolSet, template_supports_tools, tools_system_prompt, valid_utf8
+from grouprl.envs.tools.schemas import (
+    ToolSet,
+    template_supports_tools,
+    tools_system_prompt,
+    valid_utf8,
+)
+from grouprl.envs.vector import VectorRunner
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.seeded import turn_seed
 from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     _delta_pieces,
     _render,
@@ -55,8 +62,6 @@ from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     observation_delta_text,
     prompt_ids,
 )
-from grouprl.rollouts.engines.base import SamplingParams
-from grouprl.rollouts.engines.seeded import turn_seed
 from grouprl.rollouts.episode_record import Episode, assemble
 from grouprl.types import Rollout
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from grouprl.envs.rewards import RewardFn, score_completions
-from grouprl.rollouts.engines.base import SamplingParams
+from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.types import Rollout
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.user_inputs import import_user_module, split_user_spec
+from grouprl.runtime.user_inputs import import_user_module, split_user_spec
 
 # fn(completions=..., **columns) -> one float (or None = "no reward for this sample") per completion.
 RewardFn = Callable[..., list[float | None]]

@@ -1,0 +1,209 @@
+"""Named algorithms for image / video flow and diffusion models (same registry as the text presets).
+
+Each entry is the data of one `config.presets.Preset` (presets.py registers them): `algorithm:`
+fields as plain keys, other sections as "section.field" keys ("diffusion.noise_level",
+"train.lr", "model.lora"). A preset fills only what the user left unset; a mapping value such as
+"model.lora" fills the keys missing from the user's own mapping (grouprl/config/loading.py).
+
+Values, from peers/diffusion.md (read from each project's code and configs) and METHODS.md 7-8:
+  flow_grpo       SD3.5 GenEval config: flow_sde a 0.7, 10 rollout / 40 eval steps, all but the last step
+                  trained, clip 1e-4, advantages clipped to +-5, beta (kl_coef) 0.04 in mean space,
+                  per-prompt mean with the batch std (`global_std`), CFG 4.5 at rollout and training,
+                  group 24, LoRA r 32 alpha 64 on the attention projections, lr 3e-4, two
+                  optimizer steps per sampling round (minibatches 2, one epoch: its configs set
+                  gradient_accumulation_steps = num_batches_per_epoch // 2).
+  flow_grpo_fast  Flow-GRPO-Fast: SDE in a random window of 2 steps inside the first half (ODE elsewhere;
+                  2 trained steps beat 10 in the README), clip 1e-5 (the fast configs' smaller range),
+                  beta 0 (as its configs), two optimizer steps per round as flow_grpo. Group size
+                  is not set (its configs vary).
+  dance_grpo      DanceGRPO FLUX: dance_sde eta 0.3, 16 steps, shift 3, a random 60% of the first K - 1
+                  steps per sample, shared initial noise per group, group 12, clip 1e-4, advantages
+                  +-5, std + 1e-8 per group, no KL, no CFG (FLUX's guidance embedding is the model's).
+  mix_grpo        MixGRPO: flow_sde with eta (= a) 0.7, 25 steps, a sliding window of 4 SDE steps that
+                  moves by 1 every 25 optimizer steps, group 12, no KL; the rest as DanceGRPO, on which
+                  it builds. MixGRPO-Flash's DPM-Solver++ after the window is not implemented.
+  ddpo            ddpo-pytorch: DDIM eta 1, 50 steps, CFG 5 at rollout and training, clip 1e-4,
+                  advantages +-10, std + 1e-6, LoRA rank 4 (diffusers' attention-processor LoRA, scale 1)
+                  on the UNet attention. Deviations: DDPO normalises with a per-prompt history of the
+                  last 16 rewards (here: the group), and trains all 50 steps (here: all but the last).
+  diffusion_nft   DiffusionNFT SD3 (PickScore / GenEval): ODE rollouts, 10 steps, CFG-free, beta 1,
+                  A_max 5, KL 1e-4 on velocities, old weights decay_type 1, group 24, batch std,
+                  lr 3e-4. Deviations: Euler ODE instead of the dpm2 solver; LoRA r 32 alpha 64 is
+                  Flow-GRPO's (NFT builds on its code) [inferred].
+  awm             AWM GenEval: ODE rollouts, 14 steps, CFG-free, K = 6 timesteps stratified over
+                  [1, floor(0.9 * 14)], ghuber weighting p 0.25, ratio clip 1, advantages clipped to +-5
+                  and scaled by 1/5, beta 0.001, beta_ema 1 (needs EMA weights), group 24, batch std,
+                  lr 3e-4. Deviation: Euler ODE instead of the SA-solver.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+# LoRA targets: Flow-GRPO's 8 attention projections of SD3 / FLUX transformer blocks (peft matches
+# name suffixes; blocks without the `add_*` projections simply have fewer), the UNet's for DDPO.
+_TRANSFORMER_LORA = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)  # fmt: skip
+_UNET_LORA = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def _lora(r: int, alpha: int, targets: tuple[str, ...]) -> MappingProxyType:
+    return MappingProxyType({"r": r, "alpha": alpha, "target_modules": targets})
+
+
+_PPO_STEP = {"advantage": "grpo", "surrogate": "clip", "ratio_level": "token"}
+# Flow-GRPO's configs take two optimizer steps per sampling round (train.gradient_accumulation_steps
+# = sample.num_batches_per_epoch // 2, one inner epoch): the second step's ratio departs from 1
+# and the clip can act
+_FLOW_GRPO_ALGO = {
+    **_PPO_STEP, "scale": "batch", "adv_eps": 1e-4, "eps_low": 1e-4, "eps_high": 1e-4,
+    "aggregation": "token_mean", "kl_coef": 0.04, "epochs": 1, "minibatches": 2,
+}  # fmt: skip
+_FLOW_GRPO_DIFFUSION = {
+    "diffusion.objective": "policy_gradient", "diffusion.sampler": "flow_sde",
+    "diffusion.noise_level": 0.7, "diffusion.rollout_steps": 10, "diffusion.eval_steps": 40,
+    "diffusion.train_steps": "all_but_last", "diffusion.adv_clip_max": 5.0,
+    "diffusion.guidance_scale": 4.5, "diffusion.train_guidance": "same",
+}  # fmt: skip
+_FLOW_LORA = {"model.lora": _lora(32, 64, _TRANSFORMER_LORA), "train.lr": 3e-4}
+_DANCE_ALGO = {
+    **_PPO_STEP, "scale": "group", "adv_eps": 1e-8, "eps_low": 1e-4, "eps_high": 1e-4,
+    "aggregation": "token_mean", "kl_coef": 0.0,
+}  # fmt: skip
+_LIKELIHOOD_FREE = {
+    "advantage": "grpo", "scale": "batch", "adv_eps": 1e-4, "diffusion.sampler": "ode",
+    "diffusion.guidance_scale": 1.0, "diffusion.train_guidance": "none",
+    "diffusion.adv_clip_max": 5.0, **_FLOW_LORA,
+}  # fmt: skip
+
+FLOW_PRESETS: list[dict] = [
+    {
+        "name": "flow_grpo",
+        "arxiv": "2505.05470",
+        "summary": "PPO-clipped per-step log-probs of an SDE sampler on a flow model (Flow-GRPO).",
+        "settings": {
+            **_FLOW_GRPO_ALGO,
+            **_FLOW_GRPO_DIFFUSION,
+            **_FLOW_LORA,
+            "rollout.group_size": 24,
+        },  # fmt: skip
+    },
+    {
+        "name": "flow_grpo_fast",
+        "arxiv": "2505.05470",
+        "summary": "Flow-GRPO with the SDE only in a random window of 2 steps, ODE elsewhere.",
+        "settings": {
+            **_FLOW_GRPO_ALGO,
+            "eps_low": 1e-5,
+            "eps_high": 1e-5,
+            "kl_coef": 0.0,
+            **_FLOW_GRPO_DIFFUSION,
+            "diffusion.train_steps": "random_window",
+            "diffusion.window_size": 2,
+            **_FLOW_LORA,
+        },  # fmt: skip
+    },
+    {
+        "name": "dance_grpo",
+        "arxiv": "2505.07818",
+        "summary": "Constant-diffusion SDE, a random subset of steps trained, shared group noise.",
+        "settings": {
+            **_DANCE_ALGO,
+            "diffusion.objective": "policy_gradient",
+            "diffusion.sampler": "dance_sde",
+            "diffusion.eta": 0.3,
+            "diffusion.rollout_steps": 16,
+            "diffusion.shift": 3.0,
+            "diffusion.train_steps": "random_fraction",
+            "diffusion.train_fraction": 0.6,
+            "diffusion.shared_noise": "group",
+            "diffusion.adv_clip_max": 5.0,
+            "diffusion.guidance_scale": 1.0,
+            **_FLOW_LORA,
+            "rollout.group_size": 12,
+        },  # fmt: skip
+    },
+    {
+        "name": "mix_grpo",
+        "arxiv": "2507.21802",
+        "summary": "SDE only in a window that slides along the schedule as training goes, ODE elsewhere.",
+        "settings": {
+            **_DANCE_ALGO,
+            "diffusion.objective": "policy_gradient",
+            "diffusion.sampler": "flow_sde",
+            "diffusion.noise_level": 0.7,
+            "diffusion.rollout_steps": 25,
+            "diffusion.train_steps": "sliding_window",
+            "diffusion.window_size": 4,
+            "diffusion.window_shift_every": 25,
+            "diffusion.window_shift_by": 1,
+            "diffusion.adv_clip_max": 5.0,
+            "diffusion.guidance_scale": 1.0,
+            **_FLOW_LORA,
+            "rollout.group_size": 12,
+        },  # fmt: skip
+    },
+    {
+        "name": "ddpo",
+        "arxiv": "2305.13301",
+        "summary": "PPO-clipped per-step log-probs of DDIM (eta 1) on an epsilon-prediction UNet.",
+        "settings": {
+            **_PPO_STEP,
+            "scale": "group",
+            "adv_eps": 1e-6,
+            "eps_low": 1e-4,
+            "eps_high": 1e-4,
+            "aggregation": "token_mean",
+            "kl_coef": 0.0,
+            "diffusion.objective": "policy_gradient",
+            "diffusion.sampler": "ddim",
+            "diffusion.eta": 1.0,
+            "diffusion.rollout_steps": 50,
+            "diffusion.eval_steps": 50,
+            "diffusion.train_steps": "all_but_last",
+            "diffusion.adv_clip_max": 10.0,
+            "diffusion.guidance_scale": 5.0,
+            "diffusion.train_guidance": "same",
+            "model.lora": _lora(4, 4, _UNET_LORA),
+            "train.lr": 3e-4,
+        },  # fmt: skip
+    },
+    {
+        "name": "diffusion_nft",
+        "arxiv": "2509.16117",
+        "summary": "Flow matching on forward-noised samples pulled to a reward-mixed positive velocity.",
+        "settings": {
+            **_LIKELIHOOD_FREE,
+            "kl_coef": 1e-4,
+            "diffusion.objective": "diffusion_nft",
+            "diffusion.rollout_steps": 10,
+            "diffusion.nft_beta": 1.0,
+            "diffusion.lf_timesteps": None,
+            "diffusion.lf_timestep_fraction": 1.0,
+            "diffusion.ema_decay": "nft_ramp",
+            "rollout.group_size": 24,
+        },  # fmt: skip
+    },
+    {
+        "name": "awm",
+        "arxiv": "2509.25050",
+        "summary": "Advantage-weighted flow-matching loss on forward-noised samples, ODE rollouts.",
+        "settings": {
+            **_LIKELIHOOD_FREE,
+            "kl_coef": 0.001,
+            "diffusion.objective": "awm",
+            "diffusion.rollout_steps": 14,
+            "diffusion.lf_timesteps": 6,
+            "diffusion.lf_timestep_fraction": 0.9,
+            "diffusion.awm_weighting": "ghuber",
+            "diffusion.awm_ghuber_p": 0.25,
+            "diffusion.awm_clip": 1.0,
+            "diffusion.awm_adv_max": 1.0,
+            "diffusion.awm_ema_coef": 1.0,
+            "diffusion.ema_decay": "awm_ramp",
+            "rollout.group_size": 24,
+        },  # fmt: skip
+    },
+]

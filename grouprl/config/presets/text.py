@@ -1,0 +1,294 @@
+"""Named algorithms for language models and agents (one registry with the image presets of
+flow_presets.py).
+
+Each entry is the data of one `config.presets.Preset` (presets.py registers them): `algorithm:`
+fields as plain keys, other sections as "section.field" keys ("agent.credit", "rollout.group_size").
+
+Choices and deviations (sources: METHODS.md, peers/text.md):
+  grpo          kl_coef 0.0, although DeepSeekMath (arXiv 2402.03300) used beta 0.04 with k3. TRL
+                defaults to beta 0 and later work (DAPO, Dr. GRPO) drops the KL for verifiable rewards;
+                with 0 no reference model is loaded. kl_estimator k3 is set so that raising kl_coef
+                gives the paper's estimator.
+  dr_grpo       seq_mean_token_sum_norm = Dr. GRPO's constant normaliser (max length).
+  dapo          overlong_buffer_frac 0.2 = L_cache / L_max = 4096 / 20480 of the verl recipe;
+                max_sampling_rounds 10 = the recipe's max_num_gen_batches.
+  gspo          clip range 3e-4 / 4e-4 (GSPO paper, verl example), seq_mean_token_mean as verl forces.
+  gmpo          eps 0.4 / 0.4 (log-space clip). GMPO ignores the aggregation mode (plain mean over
+                sequences); seq_mean_token_mean is the sequence-level mode closest to it.
+  cispo         eps_low 10 (no lower bound) / eps_high 0.2 from verl's example; MiniMax-M1's own value
+                of eps_high is unconfirmed. TRL's cispo caps the ratio at an absolute 5.0 instead.
+  rloo          TRL's RLOO: sequence-level ratio, KL folded into the reward with k1 and beta 0.05.
+                Deviation: our "sequence" ratio is length-normalised (GSPO form, exp of the mean token
+                log-ratio) while TRL's RLOO exponentiates the summed log-ratio.
+  reinforce_pp  verl's REINFORCE++-baseline example: k2 KL in the loss, coef 0.001, token_mean.
+  gpg           plain REINFORCE surrogate, token_mean, no KL, no reference (verl example).
+"""
+
+from __future__ import annotations
+
+_CLIP = {"surrogate": "clip", "ratio_level": "token"}
+_NO_KL = {"kl_coef": 0.0}
+_GRPO_CORE = {
+    "advantage": "grpo",
+    "scale": "group",
+    **_CLIP,
+    "eps_low": 0.2,
+    "eps_high": 0.2,
+    "aggregation": "seq_mean_token_mean",
+    **_NO_KL,
+}
+
+TEXT_PRESETS: list[dict] = [
+    dict(
+        name="grpo",
+        arxiv="2402.03300",
+        summary="Group-normalised advantages with a PPO clipped surrogate (DeepSeekMath).",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            **_CLIP,
+            "eps_low": 0.2,
+            "eps_high": 0.2,
+            "aggregation": "seq_mean_token_mean",
+            **_NO_KL,
+            "kl_estimator": "k3",
+            "kl_mode": "loss",
+        },
+    ),
+    dict(
+        name="dr_grpo",
+        arxiv="2503.20783",
+        summary="GRPO without std scaling or length normalisation, which bias it (Dr. GRPO).",
+        settings={
+            "advantage": "dr_grpo",
+            "scale": "none",
+            **_CLIP,
+            "eps_low": 0.2,
+            "eps_high": 0.2,
+            "aggregation": "seq_mean_token_sum_norm",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="dapo",
+        arxiv="2503.14476",
+        summary="Clip-higher, token-mean loss, zero-variance dynamic sampling and soft overlong penalty.",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            **_CLIP,
+            "eps_low": 0.2,
+            "eps_high": 0.28,
+            "aggregation": "token_mean",
+            **_NO_KL,
+            "dynamic_sampling": "zero_variance",
+            "max_sampling_rounds": 10,
+            "overlong_shaping": "soft",
+            "overlong_buffer_frac": 0.2,
+            "overlong_factor": 1.0,
+        },
+    ),
+    dict(
+        name="gspo",
+        arxiv="2507.18071",
+        summary="Sequence-level (length-normalised) importance ratio with a tiny clip range (Qwen GSPO).",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            "surrogate": "clip",
+            "ratio_level": "sequence",
+            "eps_low": 3e-4,
+            "eps_high": 4e-4,
+            "aggregation": "seq_mean_token_mean",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="gmpo",
+        arxiv="2507.20673",
+        summary="Geometric mean of token ratios, clipped in log space with a wide range (GMPO).",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            "surrogate": "clip",
+            "ratio_level": "geometric",
+            "eps_low": 0.4,
+            "eps_high": 0.4,
+            "aggregation": "seq_mean_token_mean",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="cispo",
+        arxiv="2506.13585",
+        summary="Clip the stop-gradient importance weight, not the update; every token keeps a gradient.",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            "surrogate": "cispo",
+            "ratio_level": "token",
+            "eps_low": 10.0,
+            "eps_high": 0.2,
+            "aggregation": "token_mean",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="sapo",
+        arxiv="2511.20347",
+        summary="Smooth sigmoid gate on the token ratio instead of a hard clip (Qwen SAPO).",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            "surrogate": "sapo",
+            "ratio_level": "token",
+            "sapo_tau_pos": 1.0,
+            "sapo_tau_neg": 1.05,
+            "aggregation": "seq_mean_token_mean",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="rloo",
+        arxiv="2402.14740",
+        summary="Leave-one-out baseline, sequence-level clipped ratio, KL folded into the reward.",
+        settings={
+            "advantage": "rloo",
+            "surrogate": "clip",
+            "ratio_level": "sequence",
+            "eps_low": 0.2,
+            "eps_high": 0.2,
+            "aggregation": "seq_mean_token_mean",
+            "kl_coef": 0.05,
+            "kl_estimator": "k1",
+            "kl_mode": "reward",
+        },
+    ),
+    dict(
+        name="reinforce_pp",
+        arxiv="2501.03262",
+        summary="Group-mean baseline whitened over the batch, PPO clip, k2 KL in the loss (REINFORCE++).",
+        settings={
+            "advantage": "reinforce_pp_baseline",
+            **_CLIP,
+            "eps_low": 0.2,
+            "eps_high": 0.2,
+            "aggregation": "token_mean",
+            "kl_coef": 0.001,
+            "kl_estimator": "k2",
+            "kl_mode": "loss",
+        },
+    ),
+    dict(
+        name="gpg",
+        arxiv="2504.02546",
+        summary="Plain policy gradient with a rescaled group baseline; no ratio, clip, KL or reference.",
+        settings={
+            "advantage": "gpg",
+            "surrogate": "reinforce",
+            "ratio_level": "token",
+            "aggregation": "token_mean",
+            **_NO_KL,
+        },
+    ),
+    # ---- methods of the field (issue 8; formulas in METHODS.md) ----
+    dict(
+        name="lambda_grpo",
+        arxiv="2509.21154",
+        summary="GRPO with each token's loss divided by the number of group members sharing its prefix.",
+        settings={**_GRPO_CORE, "token_scale": "prefix_share"},
+    ),
+    dict(
+        name="pmd_mean",
+        arxiv="2602.05933",
+        summary="Leave-one-out advantage; squared-error regression of the sequence log-ratio onto A/tau.",
+        settings={
+            "advantage": "rloo",
+            "surrogate": "pmd",
+            "ratio_level": "token",
+            "pmd_tau": 0.01,
+            "aggregation": "seq_mean_token_mean",
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="tpo",
+        arxiv="2604.06159",
+        summary="Cross-entropy fit of the group softmax to the old policy tilted by exp(u / eta).",
+        settings={
+            "advantage": "tpo",
+            "surrogate": "tpo",
+            "ratio_level": "token",
+            "tpo_eta": 1.0,
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="delta_l",
+        arxiv="2509.07558",
+        summary="GRPO advantages with length weights L^-alpha normalised over the batch, constant normaliser.",
+        settings={
+            "advantage": "grpo",
+            "scale": "group",
+            **_CLIP,
+            "eps_low": 0.2,
+            "eps_high": 0.3,
+            "dual_clip_c": 3.0,
+            "aggregation": "delta_l",
+            "delta_l_alpha": 0.75,
+            **_NO_KL,
+        },
+    ),
+    dict(
+        name="dump",
+        arxiv="2504.09710",
+        summary="GRPO with a UCB curriculum over data sources scored by mean |advantage|.",
+        settings={
+            **_GRPO_CORE,
+            "kl_coef": 0.001,
+            "kl_estimator": "k3",
+            "kl_mode": "loss",
+            "curriculum.type": "dump",
+        },
+    ),
+    dict(
+        name="egsw",
+        arxiv="2503.22456",
+        summary="GRPO re-weighted by a group softmax of (advantage + alpha * entropy) / P (partly unconfirmed).",
+        settings={**_GRPO_CORE, "egsw": "sequence", "egsw_alpha": 0.1, "egsw_temperature": 1.0},
+    ),
+    dict(
+        name="entropy_only",
+        arxiv="2504.20571",
+        summary="No policy-gradient term: only a token-mean entropy bonus (+0.001), no KL, temperature 0.6.",
+        settings={
+            **_GRPO_CORE,
+            "pg_coef": 0.0,
+            "entropy_coef": 0.001,
+            "aggregation": "token_mean",
+            "rollout.temperature": 0.6,
+        },
+    ),
+    dict(
+        name="two_grpo",
+        arxiv="2510.00977",
+        summary="Plain GRPO with groups of two (a DPO-like contrastive pair per prompt).",
+        settings={**_GRPO_CORE, "rollout.group_size": 2},
+    ),
+    dict(
+        name="gigpo",
+        arxiv="2505.10978",
+        summary="Multi-turn agents: episode advantage plus step advantage from identical anchor states.",
+        settings={
+            **_GRPO_CORE,
+            "kl_coef": 0.01,
+            "kl_estimator": "k3",
+            "kl_mode": "loss",
+            "agent.credit": "gigpo",
+            "agent.gamma": 0.95,
+            "agent.omega": 1.0,
+            "agent.norm": "mean_std_norm",
+            "agent.invalid_penalty": 0.1,
+        },
+    ),
+]

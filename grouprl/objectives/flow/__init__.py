@@ -1,0 +1,1 @@
+"""Objectives specific to denoising-step policies (still pure functions on tensors)."""

@@ -1,0 +1,1 @@
+"""Image / video policies: flow-matching and DDPM denoisers as Gaussian-step policies."""

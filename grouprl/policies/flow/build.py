@@ -1,0 +1,207 @@
+"""Builders for image / video policies: the `model:` and `diffusion:` sections -> FlowPolicy / UNetPolicy.
+
+model.type "flow":
+- a diffusers pipeline folder or hub id (SD3, FLUX, Wan): the denoiser named in model_index.json
+  ("transformer"), its VAE, its scheduler config as shipped (SD3 FlowMatchEuler shift 3, FLUX's
+  dynamic shifting from the image size, Wan's UniPC flow_shift; an explicit diffusion.shift
+  replaces the shift, turns dynamic shifting off, and says so in a warning) and a
+  PromptEncoder over the pipeline's own text encoders (each prompt encoded once, cached);
+- a user velocity module "package.module:Class" / "file.py:Class" (called `model(x, sigma, **cond)`,
+  see policies/flow_models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
+  into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
+  conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
+model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
+sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler config (SD 1.5's
+PNDM betas and steps_offset), as DDPO does.
+model.dtype is the compute dtype (policies/precision.py): trainable weights stay float32.
+
+Choices: full fine-tuning keeps a frozen reference copy only when a KL is on, made here before any
+checkpoint is loaded (so a resumed run keeps the initial model as its reference); LoRA settings
+without target_modules take the family's attention projections. The sampler "ode" (likelihood-free
+objectives) builds the policy with "flow_sde" as its stochastic sampler, which those rollouts never
+use (they sample every step deterministically, rollouts/images.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouprl.runtime.user_inputs import import_user_module
+
+_MODULE_SPEC = re.compile(r"^(?P<module>[^:]+):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
+# the `diffusion:` field that sets each sampler's noise (samplers.SAMPLER_OPTIONS: noise_level / eta)
+NOISE_FIELD = {"flow_sde": "noise_level", "cps": "noise_level", "dance_sde": "eta", "ddim": "eta"}
+
+
+def is_module_spec(name: str) -> bool:
+    """True for "package.module:Class" / "path/file.py:Class" (not a hub id or a folder)."""
+    return bool(_MODULE_SPEC.match(name)) and not Path(name).exists()
+
+
+def load_velocity_module(m: Any) -> torch.nn.Module:
+    """The user's velocity module: its class from model.name_or_path, weights from model.weights."""
+    spec = _MODULE_SPEC.match(m.name_or_path)
+    module = import_user_module(spec["module"], f"model.name_or_path={m.name_or_path!r}")
+    cls = getattr(module, spec["attr"], None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.nn.Module):
+        raise TypeError(f"model.name_or_path={m.name_or_path!r} must name a torch nn.Module class")
+    if m.weights is None:
+        return cls(**m.module_options)
+    folder = Path(m.weights)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model.weights={m.weights!r} is not a folder")
+    if hasattr(cls, "from_pretrained") and (folder / "config.json").exists():
+        if m.module_options:
+            raise ValueError("model.module_options: the weights folder's config.json sets them")
+        return cls.from_pretrained(folder)
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"model.weights={m.weights!r}: expected one *.safetensors file")
+    model = cls(**m.module_options)
+    model.load_state_dict(load_file(str(files[0])))
+    return model
+
+
+def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
+    """Denoiser, VAE and scheduler config of a diffusers pipeline folder / hub id; its class name."""
+    import diffusers
+    from huggingface_hub import hf_hub_download
+
+    root = Path(m.name_or_path)
+    index = root / "model_index.json" if root.is_dir() else None
+    if index is None:
+        index = Path(hf_hub_download(m.name_or_path, "model_index.json"))
+    spec = json.loads(index.read_text())
+    if denoiser not in spec:
+        raise ValueError(
+            f"model.name_or_path={m.name_or_path!r}: model_index.json has no {denoiser!r} "
+            f"(components: {sorted(k for k in spec if not k.startswith('_'))}); model.type "
+            f"{'flow needs a transformer' if denoiser == 'transformer' else 'unet needs a unet'}"
+        )
+    dtype = getattr(torch, m.dtype)
+    net = getattr(diffusers, spec[denoiser][1]).from_pretrained(
+        m.name_or_path, subfolder=denoiser, torch_dtype=dtype
+    )
+    vae = None
+    if spec.get("vae", [None, None])[1] is not None:
+        vae = getattr(diffusers, spec["vae"][1]).from_pretrained(
+            m.name_or_path, subfolder="vae", torch_dtype=dtype
+        )
+    sched_cls = getattr(diffusers, spec["scheduler"][1])
+    sched = dict(sched_cls.load_config(m.name_or_path, subfolder="scheduler"))
+    sched["_class_name"] = spec["scheduler"][1]  # the class model_index.json names
+    return net, vae, sched, spec[denoiser][1]
+
+
+def _lora(cfg: Any) -> dict | None:
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    out = lora.model_dump()
+    if "target_modules" not in lora.model_fields_set:  # the family's attention projections
+        out.pop("target_modules")
+    return out
+
+
+def _steps(d: Any) -> dict:
+    return {
+        "name": d.train_steps, "fraction": d.train_fraction, "window_size": d.window_size,
+        "window_range": d.window_range, "shift_every": d.window_shift_every,
+        "shift_by": d.window_shift_by, "at_end": d.window_at_end,
+    }  # fmt: skip
+
+
+def build_flow_policy(cfg: Any, device: torch.device) -> Any:
+    """FlowPolicy (model.type flow) or UNetPolicy (unet) from the config (module docstring)."""
+    from grouprl.policies.flow.policy import FlowPolicy, PromptEncoder, latent_shape_for
+    from grouprl.policies.flow.unet import UNetPolicy, ddim_config
+
+    m, d = cfg.model, cfg.diffusion
+    sampler = "flow_sde" if d.sampler == "ode" else d.sampler
+    if (m.type == "unet") != (sampler == "ddim"):
+        raise ValueError(
+            f"model.type={m.type!r} with diffusion.sampler={d.sampler!r}: the DDIM sampler is for "
+            "model.type unet (epsilon prediction), the flow samplers for model.type flow"
+        )
+    common = dict(
+        lora=_lora(cfg), sampler=sampler, noise_level=getattr(d, NOISE_FIELD[sampler]),
+        rollout_steps=d.rollout_steps, eval_steps=d.eval_steps, guidance_scale=d.guidance_scale,
+        train_cfg=d.train_guidance, steps=_steps(d), pixel_range=m.pixel_range,
+        initial_noise="shared" if d.shared_noise == "group" else "independent",
+        compute_dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
+    )  # fmt: skip
+    if m.type == "flow" and is_module_spec(m.name_or_path):
+        if d.num_frames != 1:
+            raise ValueError("a user velocity module is an image model: diffusion.num_frames = 1")
+        net, dtype = load_velocity_module(m), getattr(torch, m.dtype)
+        if next(iter(net.parameters())).dtype != dtype:
+            net = net.to(dtype)
+        channels = getattr(getattr(net, "config", None), "in_channels", 3)
+        sched = {} if d.shift is None else _override_shift({}, d.shift)
+        policy = FlowPolicy(net, latent_shape=(channels, d.height, d.width), family="module",
+                            scheduler_config=sched, **common)  # fmt: skip
+    else:
+        net, vae, sched, cls_name = _pipeline_parts(
+            m, "unet" if m.type == "unet" else "transformer"
+        )
+        source = m.name_or_path  # full fine-tunes save a whole pipeline folder from it
+        video = cls_name == "WanTransformer3DModel"
+        if d.num_frames != 1 and not video:
+            raise ValueError(
+                f"diffusion.num_frames={d.num_frames} needs a video model; {cls_name} draws images"
+            )
+        frames = d.num_frames if video else None
+        shape = latent_shape_for(net, vae, d.height, d.width, frames)
+        encoder = PromptEncoder.from_pretrained(
+            m.name_or_path, "unet" if m.type == "unet" else _family_name(net),
+            dtype=getattr(torch, m.dtype), negative_prompt=m.negative_prompt,
+            max_sequence_length=m.max_sequence_length,
+        )  # fmt: skip
+        if m.type == "unet":
+            if d.shift is not None:
+                raise ValueError(
+                    "diffusion.shift is a flow-matching setting; model.type unet "
+                    "samples with its pipeline's DDPM betas (remove diffusion.shift)"
+                )
+            policy = UNetPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
+                                scheduler_config=ddim_config(sched), pipeline_source=source,
+                                **common)  # fmt: skip
+        else:
+            if d.shift is not None:
+                sched = _override_shift(sched, d.shift)
+            policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
+                                scheduler_config=sched, pipeline_source=source,
+                                **common)  # fmt: skip
+    if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
+        from dataclasses import replace
+
+        policy.family = replace(policy.family, sigma_spacing=d.sigma_spacing)
+    if cfg.algorithm.kl_coef > 0 and policy.lora is None:
+        # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
+        # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)
+        with policy.reference():
+            pass
+    return policy.to(device)
+
+
+def _override_shift(sched: dict, shift: float) -> dict:
+    """diffusion.shift applied to the scheduler config; what it changed is said (a warning)."""
+    from grouprl.policies.flow.schedule import override_shift
+
+    out, note = override_shift(sched, shift)
+    warnings.warn(note, stacklevel=2)
+    return out
+
+
+def _family_name(net: Any) -> str:
+    from grouprl.policies.flow.models import family_of
+
+    return family_of(net).name

@@ -1,0 +1,1 @@
+"""Text policies: causal LMs (transformers), their loading, LoRA, log-probs and engines."""

@@ -1,0 +1,322 @@
+"""The text policy: a transformers causal LM (optionally with a peft LoRA adapter).
+
+GRPO as in DeepSeekMath (arXiv:2402.03300): sample G completions per prompt, score per-token
+log-probs of the completion tokens. Sampling goes through a text engine on this very model
+(constructor default HFEngine; a config's rollout.engine defaults to "fast", FastEngine).
+Scoring runs [left-padded prompt | right-padded completion] with position ids taken from the
+attention mask (so left padding never shifts positions): by default each group's prompt once and
+a fused LM head (fast_logprobs.py), or the plain chunked path (logprobs.py). LoRA follows
+arXiv:2106.09685; the reference policy under LoRA is the same weights with the adapter disabled.
+Loading and prompt encoding: loading.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
+from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwrap_peft
+from grouprl.policies.text.engines.fast import FastEngine
+from grouprl.policies.text.engines.hf import HFEngine
+from grouprl.policies.text.engines.seeded import group_seeds
+from grouprl.policies.text.loading import DType, Prompt, encode_prompts, load_causal_lm
+from grouprl.policies.text.logprobs import completion_logprobs
+from grouprl.policies.text.lora import LoRASettings, add_lora
+from grouprl.policies.text.lora import lora_settings as _lora_settings
+from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
+from grouprl.types import PolicyOutput, Rollout, TokenBatch
+
+# engines that generate with the policy's own model object, by rollout.engine name
+LOCAL_ENGINES: dict[str, Any] = {"hf": HFEngine, "fast": FastEngine}
+
+
+class _Scorer:
+    """What `reference()` yields: `.log_probs(batch, temperature)` without gradient."""
+
+    def __init__(
+        self,
+        model: Any,
+        chunk_size: int | None,
+        path: str = "fast",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self._model, self._chunk_size, self._path = unwrap_peft(model), chunk_size, path
+        self._dtype = compute_dtype
+
+    @torch.no_grad()
+    def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
+        with compute(self._dtype, batch.prompt_ids.device):
+            return completion_logprobs(
+                self._model,
+                batch,
+                temperature=temperature,
+                chunk_size=self._chunk_size,
+                with_entropy=False,
+                path=self._path,
+            )[0]
+
+
+class CausalLMPolicy:
+    """Samples groups of completions and scores completion log-probs for a causal LM.
+
+    A tokenizer without a pad token gets its EOS as pad (pad positions are always masked).
+    `need_reference=True` builds the frozen reference copy at once (without LoRA) so that an
+    out-of-memory shows up at start; otherwise it is built on first `reference()` use, if ever.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        lora: LoRASettings | dict | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_chunk_size: int | None = None,
+        logprob_path: str = "fast",
+        need_reference: bool = False,
+        engine: TextEngine | str | None = None,
+        compute_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        if tokenizer.pad_token_id is None:
+            if tokenizer.eos_token is None:
+                raise ValueError("CausalLMPolicy: tokenizer has neither a pad nor an EOS token")
+            tokenizer.pad_token = tokenizer.eos_token
+        self.tokenizer = tokenizer
+        self.lora = _lora_settings(lora)
+        # mixed precision (policies/precision.py): compute in the dtype the model was loaded in,
+        # train float32 master weights (full fine-tuning: the whole model; LoRA: the adapters)
+        self.compute_dtype = (
+            compute_dtype_of(model) if compute_dtype is None else as_dtype(compute_dtype)
+        )
+        if self.lora is not None:
+            model = add_lora(model, self.lora)
+        master_weights(model)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = model
+        self.logprob_chunk_size = logprob_chunk_size
+        self.logprob_path = logprob_path  # logprobs.LOGPROB_PATHS: "fast" or "plain"
+        if engine is None or isinstance(engine, str):  # a LOCAL_ENGINES name: on this model
+            name = engine or "hf"
+            if name not in LOCAL_ENGINES:
+                raise ValueError(
+                    f"unknown local engine {name!r}; choose from {list(LOCAL_ENGINES)}"
+                )
+            engine = LOCAL_ENGINES[name](model, tokenizer)
+        self.engine: TextEngine = engine
+        self._ref_model: Any = None
+        if need_reference and self.lora is None:
+            self._reference_model()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype: DType = "float32",
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> CausalLMPolicy:
+        """Load model + tokenizer from a hub id or a local directory; kwargs go to __init__."""
+        model, tokenizer = load_causal_lm(name_or_path, dtype, trust_remote_code)
+        return cls(model, tokenizer, compute_dtype=dtype, **kwargs)
+
+    # ---- prompts and sampling ------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids per prompt: chat messages via the chat template (+ generation prompt),
+        plain strings as-is (plus BOS only if this tokenizer normally adds one)."""
+        # prompt_token_limit: set by the prompt guard in truncate mode (rollouts/prompt_guard.py)
+        return encode_prompts(self.tokenizer, prompts, getattr(self, "prompt_token_limit", None))
+
+    def sample(
+        self,
+        prompts: list[Prompt],
+        group_size: int,
+        params: SamplingParams,
+        *,
+        engine: TextEngine | None = None,
+        group_ids: list[int] | Tensor | None = None,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> Rollout:
+        """G = group_size completions per prompt (consecutive rows); rewards are left empty.
+        seed: sample j of group g draws from its own generator seeded by (seed, g, j)
+        (engines/seeded.py), so a group's samples do not depend on the rest of the batch."""
+        if group_size < 1 or not prompts:
+            raise ValueError(
+                f"need >= 1 prompt and group_size >= 1, got {len(prompts)}, {group_size}"
+            )
+        if group_ids is None:
+            group_ids = torch.arange(len(prompts))
+        group_ids = torch.as_tensor(group_ids, dtype=torch.long)  # [B]
+        if group_ids.shape != (len(prompts),):
+            raise ValueError(f"group_ids must have one id per prompt ({len(prompts)})")
+        prompt_ids = [p for p in self.encode_prompts(prompts) for _ in range(group_size)]
+        seeded = {}  # engines that take no seeds never see the key
+        if seed is not None:
+            seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
+        engine = engine or self.engine
+        # a local engine runs this model here: in the compute dtype; vLLM keeps its own dtype
+        local = isinstance(engine, tuple(LOCAL_ENGINES.values()))
+        ctx = compute(self.compute_dtype, self.device_of_model()) if local else nullcontext()
+        with ctx:
+            out = engine.generate(prompt_ids, params, greedy=greedy, **seeded)
+        pad = self.tokenizer.pad_token_id
+        p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
+        p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")
+        c_ids = _pad([torch.tensor(c) for c in out.completion_ids], pad, "right")  # [N, T]
+        c_mask = _pad(
+            [torch.ones(len(c), dtype=torch.bool) for c in out.completion_ids], 0, "right"
+        )
+        engine_logp = _pad([torch.tensor(lp) for lp in out.logprobs], 0.0, "right")  # [N, T]
+        batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
+        return Rollout(
+            group_ids=group_ids.repeat_interleave(group_size),  # [N]
+            rewards={},
+            actions=batch,
+            old_logp=engine_logp.clone(),  # [N, T]; train.py may recompute it with the trainer
+            mask=c_mask.clone(),  # [N, T]
+            engine_logp=engine_logp,
+            info={
+                "prompt": [p for p in prompts for _ in range(group_size)],
+                "completion": self.tokenizer.batch_decode(
+                    out.completion_ids, skip_special_tokens=True
+                ),
+                "completion_ids": out.completion_ids,
+            },
+        )
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def log_probs(
+        self,
+        batch: TokenBatch,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+        chunk_size: int | None = None,
+        entropy_grad: bool = False,
+    ) -> PolicyOutput:
+        """Differentiable logp [N, T] of the completion tokens under softmax(logits / temperature),
+        entropy [N, T] (no grad unless entropy_grad); masked slots are 0."""
+        with compute(self.compute_dtype, batch.prompt_ids.device):
+            logp, entropy = completion_logprobs(
+                unwrap_peft(self.model),
+                batch,
+                temperature=temperature,
+                chunk_size=chunk_size or self.logprob_chunk_size,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                path=self.logprob_path,
+            )  # [N, T] each
+        return PolicyOutput(logp=logp, entropy=entropy)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[_Scorer]:
+        """Scores under the frozen reference: the adapter disabled (LoRA) or a frozen copy."""
+        if self.lora is not None:
+            with self.model.disable_adapter():
+                yield _Scorer(
+                    self.model, self.logprob_chunk_size, self.logprob_path, self.compute_dtype
+                )
+        else:
+            yield _Scorer(
+                self._reference_model(), self.logprob_chunk_size, self.logprob_path,
+                self.compute_dtype,
+            )  # fmt: skip
+
+    def device_of_model(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+    def _reference_model(self) -> Any:
+        if self._ref_model is None:
+            ref = copy.deepcopy(self.model).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._ref_model = ref
+        return self._ref_model
+
+    # ---- parameters and checkpoints ------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> CausalLMPolicy:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> CausalLMPolicy:
+        return self.train(False)
+
+    def load_saved_weights(self, directory: str | Path) -> None:
+        """Load full weights written by save_pretrained (resume without LoRA). The lm_head may be
+        absent (tied to the embeddings); any other missing or unexpected key is an error."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {str(directory)!r}")
+        weights: dict[str, Tensor] = {}
+        for f in files:
+            weights.update(load_file(f))
+        missing, unexpected = unwrap_peft(self.model).load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(
+                f"weights in {str(directory)!r} do not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    def to(self, device: torch.device | str) -> CausalLMPolicy:
+        """Move the model (and the reference copy, if one was made) to `device`."""
+        self.model.to(device)
+        if self._ref_model is not None:
+            self._ref_model.to(device)
+        return self
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Full weights, or only the trainable (adapter) weights under LoRA."""
+        if self.lora is None:
+            return self.model.state_dict()
+        names = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.model.state_dict().items() if k in names}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Inverse of state_dict(); checks the keys before touching any weight."""
+        expected = set(self.state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise KeyError(
+                f"state dict does not match this policy: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        self.model.load_state_dict(state, strict=self.lora is None)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """A plain transformers folder (safetensors + tokenizer). Under LoRA the adapter is merged
+        into the saved weights (the live model is left untouched) and also saved to dir/adapter."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        else:
+            self.model.save_pretrained(directory / "adapter", safe_serialization=True)
+            base = self.model.get_base_model()
+            base.save_pretrained(directory, state_dict=_merged_state_dict(base))
+        self.tokenizer.save_pretrained(directory)
+        return directory
+
+
+def _pad(rows: list[Tensor], value: float, side: Literal["left", "right"]) -> Tensor:
+    return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)

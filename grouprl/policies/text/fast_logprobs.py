@@ -1,0 +1,139 @@
+"""The fast scoring path of completion log-probs: each group's prompt once, the LM head fused.
+
+Same result as logprobs.completion_logprobs' plain path (tests compare values and gradients),
+computed with less work:
+
+1. Prompt once per group. The G completions of a group share their prompt, so the decoder runs
+   on each distinct prompt once (consecutive identical rows of [prompt_ids, prompt_mask]), keeps
+   its key/value cache (with autograd), expands the cache G times (index_select: its backward
+   sums the G gradient contributions) and runs the completions on top of it. The hidden state of
+   the prompt's last position, which predicts completion token 0, is shared the same way. Only the
+   (G - 1) / G redundant prompt passes disappear; attention sees the same keys and values.
+   Under gradient checkpointing transformers drops the cache in training mode, so there (and
+   when no prompt repeats) the batch runs as [prompt | completion] rows in one pass.
+2. Padding removed before the LM head ("packing"): only the real completion tokens [M, H] go
+   through fused_head.py's head (one token chunk of logits at a time, forward and backward).
+   A head that is not a plain nn.Linear (e.g. a LoRA-wrapped lm_head) goes through the chunked
+   autograd head of logprobs.py instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from grouprl.policies.text.fused_head import fused_head_logprobs
+from grouprl.types import TokenBatch
+
+
+def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
+    """Index of each row's run of consecutive identical (ids, mask) prompt rows: [N] long."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(
+        1
+    )  # [N-1]
+    new = torch.cat([torch.ones(1, dtype=torch.long), (~same).long()])  # [N]
+    return new.cumsum(0) - 1  # [N]
+
+
+def _plain_hidden(decoder: Any, ids: Tensor, mask: Tensor, P: int) -> Tensor:
+    """[prompt | completion] rows in one pass -> the states that predict completion tokens."""
+    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    hidden = decoder(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1].long(),
+        position_ids=position_ids[:, :-1],
+        use_cache=False,
+    ).last_hidden_state  # [N, P+T-1, H]
+    return hidden[:, P - 1 :]  # [N, T, H]
+
+
+def _shared_prompt_hidden(decoder: Any, batch: TokenBatch, runs: Tensor, device: Any) -> Tensor:
+    """Each distinct prompt once, its cache expanded to its rows, then the completions."""
+    first = torch.ones(len(runs), dtype=torch.bool)
+    first[1:] = runs[1:] != runs[:-1]  # [N] first row of each run
+    p_ids = batch.prompt_ids[first].to(device)  # [B, P]
+    p_mask = batch.prompt_mask[first].to(device).long()  # [B, P]
+    cache = DynamicCache(config=decoder.config)
+    h_prompt = decoder(
+        input_ids=p_ids,
+        attention_mask=p_mask,
+        position_ids=(p_mask.cumsum(1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state[:, -1]  # [B, H]: predicts completion token 0 (prompts are left padded)
+    rows = runs.to(device)  # [N]
+    h_first = h_prompt.index_select(0, rows)[:, None]  # [N, 1, H]
+    T = batch.completion_ids.shape[1]
+    if T == 1:
+        return h_first
+    cache.reorder_cache(rows)  # [N, kv, P, d] per layer, differentiable
+    c_ids = batch.completion_ids[:, :-1].to(device)  # [N, T-1]: the last token predicts nothing
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask[:, :-1]], 1).to(device)  # [N, P+T-1]
+    start = batch.prompt_mask.sum(1).to(device)  # [N] real prompt tokens
+    positions = start[:, None] + torch.arange(T - 1, device=device)  # [N, T-1]
+    h_rest = decoder(
+        input_ids=c_ids,
+        attention_mask=mask.long(),
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # [N, T-1, H]
+    return torch.cat([h_first, h_rest], 1)  # [N, T, H]
+
+
+def completion_hidden(model: Any, batch: TokenBatch) -> Tensor:
+    """The decoder states that predict each completion token, [N, T, H] (see module docstring)."""
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)  # [N]
+    checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
+    if int(runs[-1]) + 1 < len(runs) and not checkpointing:
+        return _shared_prompt_hidden(decoder, batch, runs, device)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
+    return _plain_hidden(decoder, ids, mask, batch.prompt_ids.shape[1])
+
+
+def fast_completion_logprobs(
+    model: Any,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """logp [N, T] and entropy [N, T] | None of the completion tokens; masked slots are 0.
+
+    chunk_size: rows per LM-head chunk as in the plain path, i.e. chunk_size * T tokens per fused
+    chunk (None: fused_head.CHUNK_ELEMENTS sizing).
+    """
+    from grouprl.policies.text.logprobs import chunked_head_logprobs  # logprobs imports this module
+
+    P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    if P < 1 or T < 1:
+        raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
+    hidden = completion_hidden(model, batch)  # [N, T, H]
+    cmask = batch.completion_mask.to(hidden.device)  # [N, T]
+    ids = batch.completion_ids.to(hidden.device)  # [N, T]
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        lp, ent = fused_head_logprobs(
+            hidden[cmask], head, ids[cmask], temperature=temperature,
+            chunk_size=chunk_size * T if chunk_size else None,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )  # fmt: skip  # [M] each
+        logp = lp.new_zeros(cmask.shape).masked_scatter(cmask, lp)  # [N, T]
+        entropy = ent.new_zeros(cmask.shape).masked_scatter(cmask, ent) if with_entropy else None
+        return logp, entropy
+    logp, entropy = chunked_head_logprobs(
+        hidden, head, ids, temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        vocab_size=model.config.get_text_config().vocab_size,
+    )  # fmt: skip  # [N, T] each
+    logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
+    entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
+    return logp, entropy

@@ -1,0 +1,214 @@
+"""Memory-safe per-token log-probs and entropies of a causal LM's completion tokens.
+
+The naive way materialises float32 logits [N, T, V] for the whole batch (V ~ 150k for Qwen), and
+autograd keeps a second [N, T, V] for the log-softmax backward: the main OOM source reported
+against RL trainers. Here the LM head is applied to a few rows of hidden states at a time, the
+log-softmax / gather / entropy are done per chunk in float32, and each chunk runs under activation
+checkpointing when gradients are on, so the backward pass keeps only the hidden states
+[N, T, H] and recomputes one chunk's logits at a time. Peak extra memory is ~ chunk * T * V floats.
+
+Entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of the temperature-scaled logits z; by default
+it is computed without gradient (metrics, high-entropy token selection); `entropy_grad=True` keeps
+its gradient for an entropy bonus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from grouprl.types import TokenBatch
+
+# Default chunk budget: rows per chunk such that one chunk's logits hold ~2^26 floats (256 MiB fp32).
+DEFAULT_CHUNK_ELEMENTS = 1 << 26
+
+
+def token_logp_entropy(
+    logits: Tensor, ids: Tensor, *, with_entropy: bool = True, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """logits [..., V] (already divided by temperature), ids [...] -> logp [...], entropy [...] | None.
+
+    Computed in float32 whatever the logits dtype.
+    """
+    logits = logits.float()  # [..., V]
+    lse = torch.logsumexp(logits, dim=-1)  # [...]
+    logp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse  # [...]
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(logits, dim=-1)  # [..., V]
+        entropy = lse - (probs * logits).sum(-1)  # [...]
+    return logp, entropy
+
+
+def _rows(n_rows: int, per_row: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 row, got {chunk_size}")
+        return chunk_size
+    return max(1, min(n_rows, DEFAULT_CHUNK_ELEMENTS // max(per_row, 1)))
+
+
+def chunked_head_logprobs(
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    vocab_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """hidden [N, T, H] (the states that predict ids), head: H -> V logits, ids [N, T].
+
+    Returns logp [N, T] (differentiable w.r.t. hidden and head) and entropy [N, T] or None.
+    chunk_size = rows per chunk (None: sized from `vocab_size` to ~DEFAULT_CHUNK_ELEMENTS floats).
+    """
+    if hidden.shape[:2] != ids.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)} disagree on [N, T]"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    N, T = ids.shape
+    rows = _rows(N, T * (vocab_size or 1 << 17), chunk_size)
+
+    def chunk_fn(h: Tensor, i: Tensor) -> tuple[Tensor, Tensor]:
+        logits = head(h).float()  # [c, T, V]
+        if temperature != 1.0:  # skip the extra [c, T, V] copy in the common case
+            logits = logits / temperature
+        lp, ent = token_logp_entropy(
+            logits, i, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )  # [c, T] each
+        return lp, ent if ent is not None else torch.zeros_like(lp)
+
+    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or _has_grad_params(head))
+    logps, ents = [], []
+    for start in range(0, N, rows):
+        h, i = hidden[start : start + rows], ids[start : start + rows]  # [c, T, H], [c, T]
+        if use_ckpt:
+            lp, ent = checkpoint(chunk_fn, h, i, use_reentrant=False)
+        else:
+            lp, ent = chunk_fn(h, i)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps)  # [N, T]
+    entropy = torch.cat(ents) if with_entropy else None  # [N, T]
+    return logp, entropy
+
+
+def _has_grad_params(head: Callable) -> bool:
+    params = getattr(head, "parameters", None)
+    return params is not None and any(p.requires_grad for p in params())
+
+
+def selective_log_softmax(
+    logits: Tensor,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Same as `chunked_head_logprobs` for logits you already have: logits [N, T, V], ids [N, T].
+
+    Chunks rows so that the float32 upcast and softmax exist for one chunk at a time.
+    """
+    return chunked_head_logprobs(
+        logits,
+        lambda x: x,
+        ids,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        vocab_size=logits.shape[-1],
+    )
+
+
+def completion_logprobs(
+    model: Any,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    path: str = "fast",
+) -> tuple[Tensor, Tensor | None]:
+    """logp [N, T] and entropy [N, T] | None of a TokenBatch's completion tokens; masked slots 0.
+
+    path: "fast" (fast_logprobs.py: each group's prompt once, fused LM head over the real
+    completion tokens) or "plain" (one [prompt | completion] pass, chunked autograd head); the
+    same numbers up to float round-off.
+    """
+    if path not in LOGPROB_PATHS:
+        raise ValueError(f"unknown log-prob path {path!r}; choose from {list(LOGPROB_PATHS)}")
+    return LOGPROB_PATHS[path](
+        model, batch, temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )  # fmt: skip
+
+
+def plain_completion_logprobs(
+    model: Any,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The plain path of completion_logprobs; masked slots 0.
+
+    `model` is a transformers causal LM (peft adapters injected in place are fine): its decoder
+    runs on [left-padded prompt | right-padded completion] and its LM head goes through
+    `chunked_head_logprobs`, so full-vocabulary logits never exist for the whole batch.
+    """
+    device = next(model.parameters()).device
+    P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    if P < 1 or T < 1:
+        raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
+    # Position of each token among the real tokens of its row, so left padding never shifts it
+    # (RoPE models are shift-invariant anyway; absolute-position models are not).
+    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    # The last completion token predicts nothing we score, so it is not fed.
+    hidden = model.get_decoder()(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1].long(),
+        position_ids=position_ids[:, :-1],
+        use_cache=False,
+    ).last_hidden_state  # [N, P+T-1, H]
+    hidden = hidden[:, P - 1 :]  # [N, T, H]: the states that predict completion tokens 0..T-1
+    logp, entropy = chunked_head_logprobs(
+        hidden,
+        model.get_output_embeddings(),
+        batch.completion_ids.to(device),  # [N, T]
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        vocab_size=model.config.get_text_config().vocab_size,
+    )  # [N, T] each
+    cmask = batch.completion_mask.to(device)  # [N, T]
+    logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
+    entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
+    return logp, entropy
+
+
+def _fast(model: Any, batch: TokenBatch, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    from grouprl.policies.text.fast_logprobs import fast_completion_logprobs
+
+    return fast_completion_logprobs(model, batch, **kwargs)
+
+
+# completion_logprobs(path=...): how the completion tokens are scored
+LOGPROB_PATHS = {"fast": _fast, "plain": plain_completion_logprobs}

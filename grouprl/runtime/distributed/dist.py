@@ -1,0 +1,283 @@
+"""Several processes through accelerate: `accelerate launch [--config_file configs/accelerate/X.yaml]
+-m grouprl train CONFIG ...` (the DDP / FSDP2 / DeepSpeed wrapping: distributed_backends.py). A plain
+`grouprl train` is one process and uses `SINGLE`, whose methods are the single-process code paths.
+
+Where groups live: placed per process, then the scored batch is gathered. Every process holds the
+same prompt sampler (same seed, same state), so all draw the same prompts; process r generates and
+scores a contiguous block of whole groups (generation, the costly part, is split), then the scored
+rollouts are all-gathered (token ids, log-probs, rewards: small next to generating them). We gather
+the whole scored batch rather than only the rewards because then every decision that looks at the
+batch (group and batch-whitened advantages, DAPO dynamic sampling, the DUMP curriculum, StarPO-S,
+reward metrics) runs the single-process code on identical data on every process, the samplers stay
+in lockstep (so the main process's checkpoint is everyone's), and no other step needs a collective.
+
+Forward passes are split, never duplicated:
+- prepare()'s no-grad scoring (old / reference log-probs) goes through `ScoreView`: each process
+  scores an equal share of rows, the results are all-gathered.
+- update(): every process makes the same global minibatch split (the global RNG is identical on all
+  processes: see below), then takes a contiguous share of each minibatch's units (samples, or whole
+  groups for group losses). The loss normalisers are the counts of the global minibatch, so each
+  process's loss is its share of the one-process loss; DDP (and FSDP2 / DeepSpeed) average
+  gradients over processes, so `backward` multiplies the loss by the process count: the gradient
+  is then the one-process gradient, and 2 processes x half a batch == 1 process x the whole batch.
+- All processes run the same number of forward/backward passes per update (DDP / FSDP collectives
+  must pair up): a process short of units runs a zero-weight padding micro-batch (a real row, loss
+  x 0, left out of the metrics); gradients synchronise on the last micro-batch only; a non-finite
+  loss never ends the micro-batch loop early, and all processes agree before skipping an update.
+
+RNG: generation runs inside a saved-and-restored RNG state (seeded per process and round when
+rollout.seeding is "global"; per-sample generators when "per_sample"), so the global RNG, which
+drives the minibatch split, moves identically on every process. With per_sample seeding a group's
+samples do not depend on the process count at all. Metrics: rollout metrics come from the gathered
+batch; loss metrics are summed / averaged over all processes' micro-batches; counters are summed.
+Only the main process writes the run directory (config, logs, samples, plots, checkpoints).
+
+Checkpoints and resume on another process count: the weights and optimizer state are saved whole
+(replicated under DDP), and the data position (sampler state) and RNG states are the main
+process's, which equal every process's; every process loads the same files (the run directory must
+be on a filesystem all processes see), so a run resumes on any process count. With per_sample
+seeding it continues with the same samples; with global seeding process r's generation stream is
+seeded from (seed, round, r), so the samples after a resume on another count differ (same law).
+
+Not split yet: held-out evaluation (every process evaluates the whole set, identically; only the
+main process logs it). Agents (task env) sample with the forked global RNG, so their episodes
+depend on the process count. Image / video policies are refused under several processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grouprl.policies.text.engines.seeded import sample_seed
+from grouprl.rollouts.batching import chunks, fill_micro_batches, split_batch
+from grouprl.rollouts.filters import cat_rollouts
+from grouprl.runtime.checkpoint import (
+    CheckpointManager,
+    capture_rng,
+    restore_rng,
+)
+from grouprl.runtime.distributed.io import NullLogger, SharedCheckpoints
+from grouprl.runtime.distributed.model import DistributedPolicy, ScoreView, ScoringModule, _rows
+from grouprl.types import Rollout
+
+_EMPTY = torch.empty(0, dtype=torch.long)  # a padding micro-batch (see module docstring)
+
+
+class Dist:
+    """This process's place in the job; one process when `backend` is None (`SINGLE`)."""
+
+    def __init__(self, seed: int = 0, accelerator: Any = None, backend: Any = None) -> None:
+        self.seed, self.accelerator, self.backend = seed, accelerator, backend
+        state = accelerator.state if accelerator is not None else None
+        self.rank = state.process_index if state else 0
+        self.world = state.num_processes if state else 1
+        self.is_main = self.rank == 0
+        self._padding = False  # the current micro-batch is padding: zero weight
+        self._owned: list[Tensor] = []  # rows this process trained on in the last update
+
+    # ---- collectives ----------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's `obj`, on every process."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_true(self, flag: bool) -> bool:
+        return all(self.all_gather_object(bool(flag)))
+
+    def sum_counts(self, counts: dict[str, float]) -> dict[str, float]:
+        """Counters (reward errors, timeouts) summed over processes."""
+        return _sum_dicts(self.all_gather_object(counts))
+
+    # ---- placement: generate whole groups per process, gather the scored batch ------------------
+
+    def device_for(self, name: str) -> torch.device:
+        from grouprl.runtime.build import device_for
+
+        return self.accelerator.device if self.world > 1 and name != "cpu" else device_for(name)
+
+    def gather_groups(
+        self, examples: list[dict], first_group_id: int, make
+    ) -> tuple[Rollout, dict]:
+        """make(examples of this process, their first group id) -> (Rollout, counts), on each
+        process's contiguous share of `examples`; returns the whole batch and the summed counts."""
+        if self.world == 1:
+            return make(examples, first_group_id)
+        share = chunks(list(range(len(examples))), self.world)[self.rank]
+        if not share:
+            raise ValueError(
+                f"{len(examples)} prompts for {self.world} processes: every process needs at least "
+                "one group; raise rollout.prompts_per_step"
+            )
+        rng = capture_rng()  # the global RNG must move identically on every process
+        try:
+            torch.manual_seed(sample_seed(self.seed, first_group_id, self.rank))  # global seeding
+            part = make([examples[i] for i in share], first_group_id + share[0])
+        finally:
+            restore_rng(rng)
+        parts = self.all_gather_object(part)
+        return cat_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
+
+    # ---- scoring and the update -----------------------------------------------------------------
+
+    def scorer(self, policy: Any) -> Any:
+        """What prepare() scores with: the policy, or a view that splits rows over processes."""
+        return policy if self.world == 1 else ScoreView(policy, self)
+
+    def score_rows(self, fn, batch: Any) -> tuple[Tensor, Tensor | None]:
+        """fn(rows of `batch`) -> (logp, entropy | None) on this process's equal share of rows,
+        all-gathered to [N, T]. A process without rows scores row 0 and drops it (FSDP needs every
+        process to run the forward)."""
+        n = batch.completion_ids.shape[0]
+        share = chunks(list(range(n)), self.world)[self.rank]
+        logp, entropy = fn(_rows(batch, torch.tensor(share or [0])))  # [n_r, T] each
+        keep = slice(None) if share else slice(0, 0)
+        parts = self.all_gather_object(
+            (logp[keep].cpu(), None if entropy is None else entropy[keep].cpu())
+        )
+        gathered = torch.cat([p[0] for p in parts]).to(logp.device)  # [N, T]
+        ent = None if entropy is None else torch.cat([p[1] for p in parts]).to(logp.device)
+        return gathered, ent
+
+    def split_batch(self, rollout: Rollout, minibatches: int, micro_size: int | None, *,
+                    whole_groups: bool) -> Iterator[tuple[Tensor, list[Tensor]]]:  # fmt: skip
+        """(global minibatch indices, this process's micro-batches) per optimizer update; every
+        process gets the same number of micro-batches (empty ones are padding, see `select`)."""
+        if self.world == 1:
+            yield from split_batch(rollout, minibatches, micro_size, whole_groups=whole_groups)
+            return
+        self._owned = []
+        # micro_size 1: batching's own shuffle, one unit (a sample or a whole group) per entry
+        for mb, units in split_batch(rollout, minibatches, 1, whole_groups=whole_groups):
+            micro = [fill_micro_batches(share, micro_size) for share in chunks(units, self.world)]
+            mine = micro[self.rank]
+            self._owned += mine
+            yield mb, mine + [_EMPTY] * (max(map(len, micro)) - len(mine))
+
+    def select(self, rollout: Rollout, idx: Tensor) -> Rollout:
+        """rollout.select(idx); an empty idx (padding) selects row 0, trained with weight 0."""
+        self._padding = len(idx) == 0
+        return rollout.select(idx if len(idx) else torch.zeros(1, dtype=torch.long))
+
+    def set_sync(self, is_last: bool) -> None:
+        """Gradients are all-reduced on the backward of the last micro-batch of an update only."""
+        if self.backend is not None:
+            self.backend.set_sync(is_last)
+
+    def backward(self, loss: Tensor) -> None:
+        if self.backend is None:
+            loss.backward()
+        else:  # processes average gradients: x world gives the sum, i.e. the one-process gradient
+            self.backend.backward(loss * (0.0 if self._padding else float(self.world)))
+
+    def all_finite(self, parts: list[dict], micro_batches: list[Tensor]) -> bool:
+        """Every real micro-batch's loss was finite, on every process."""
+        real = sum(len(i) > 0 for i in micro_batches)
+        ok = len(parts) == real and all(math.isfinite(p.get("loss", 0.0)) for p in parts)
+        return self.all_true(ok)
+
+    def clip_grad_norm(self, params: list, max_norm: float | None) -> float:
+        if self.backend is not None and hasattr(self.backend, "clip_grad_norm"):
+            return self.backend.clip_grad_norm(params, max_norm)
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return 0.0
+        bound = max_norm if max_norm is not None else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, bound))
+
+    def sum_metrics(self, means: dict, shares: dict, n_micro: int) -> tuple[dict, dict, int]:
+        """update()'s per-micro-batch sums over every process (loss shares add up to the loss)."""
+        if self.world == 1:
+            return means, shares, n_micro
+        parts = self.all_gather_object((means, shares, n_micro))
+        return (_sum_dicts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts]),
+                sum(p[2] for p in parts))  # fmt: skip
+
+    def share_old_logp(self, rollout: Rollout) -> None:
+        """update() writes the trainer's old_logp of the rows it trained (one-pass updates): give
+        every process all rows (the engine-mismatch metrics read the whole batch)."""
+        if self.world == 1 or not self._owned:
+            return
+        idx = torch.cat(self._owned)  # [n_r]
+        for rows, values in self.all_gather_object((idx, rollout.old_logp[idx].cpu())):
+            rollout.old_logp[rows] = values.to(rollout.old_logp.device)
+
+    # ---- the model ------------------------------------------------------------------------------
+
+    def prepare(self, policy: Any, optimizer: Any) -> tuple[Any, Any]:
+        """Wrap the policy's model for this backend (DDP, FSDP2, DeepSpeed through accelerate)."""
+        if self.backend is None:
+            return policy, optimizer
+        path = getattr(self.backend, "scoring_path", policy.logprob_path)  # sharded: "plain"
+        module = ScoringModule(policy.model, policy.logprob_chunk_size, path)
+        module, optimizer = self.backend.wrap(policy, module, optimizer)
+        return DistributedPolicy(policy, module, self.backend), optimizer
+
+    # ---- main-process-only I/O ------------------------------------------------------------------
+
+    def checkpoints(self, run_dir, keep_last: int | None) -> Any:
+        if self.world == 1:
+            return CheckpointManager(run_dir, keep_last=keep_last)
+        return SharedCheckpoints(self, run_dir, keep_last)
+
+    def logger_class(self, real: type) -> type:
+        return real if self.is_main else NullLogger
+
+
+SINGLE = Dist()
+
+
+def setup(cfg: Any) -> Dist:
+    """The job this process belongs to: `SINGLE` unless launched with WORLD_SIZE > 1."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist(seed=cfg.run.seed)
+    from accelerate import Accelerator
+
+    from grouprl.runtime.distributed.backends import backend_for
+
+    cpu = cfg.run.device == "cpu" or not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=cpu)
+    dist = Dist(cfg.run.seed, accelerator, None)
+    dist.backend = backend_for(cfg, dist)
+    if cfg.model.type != "causal_lm":
+        raise ValueError(
+            f"several processes (WORLD_SIZE={dist.world}) train text policies only for now; "
+            f"model.type {cfg.model.type!r} runs in one process (plain `grouprl train`)"
+        )
+    if cfg.rollout.prompts_per_step < dist.world:
+        raise ValueError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} < {dist.world} processes: "
+            "each process samples whole groups, so every process needs at least one"
+        )
+    return dist
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _sum_dicts(parts: list[dict]) -> dict:
+    out: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -1,0 +1,132 @@
+"""The policy as the training loop sees it under several processes (see grouprl/runtime/distributed/dist.py).
+
+- `ScoringModule`: the policy's model behind one forward (completion log-probs), the module that
+  DDP / FSDP2 / DeepSpeed wrap (distributed_backends.py). Their hooks run on a module's forward,
+  and the policy scores by calling the decoder and the LM head itself (policies/logprobs.py), never
+  the model's own forward, so the wrapper's forward is that scoring call.
+- `DistributedPolicy`: the policy whose `log_probs` and parameters are the wrapped module's.
+- `ScoreView`: what prepare() scores with: each process scores an equal share of the rows and the
+  results are all-gathered (old / reference log-probs of the whole batch, never duplicated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grouprl.policies.text.engines.base import unwrap_peft
+from grouprl.types import PolicyOutput
+
+
+class ScoringModule(torch.nn.Module):
+    """The policy's model behind one forward (completion log-probs), which DDP / FSDP2 / DeepSpeed
+    wrap: their hooks run on the wrapper's forward, which scores like CausalLMPolicy.log_probs
+    (policies/logprobs.py, the policy's logprob_path) rather than calling the model's forward."""
+
+    def __init__(self, model: torch.nn.Module, chunk_size: int | None, path: str) -> None:
+        super().__init__()
+        self.model, self.chunk_size, self.path = model, chunk_size, path  # path: fast | plain
+        hf = unwrap_peft(model)
+        self._no_split_modules = getattr(hf, "_no_split_modules", None)  # FSDP2 auto-wrap classes
+
+    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                temperature: float, with_entropy: bool, entropy_grad: bool,
+                chunk_size: int | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        from grouprl.policies.text.logprobs import completion_logprobs
+        from grouprl.types import TokenBatch
+
+        batch = TokenBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                           truncated=completion_mask[:, 0])  # fmt: skip  # truncated: unused
+        return completion_logprobs(
+            unwrap_peft(self.model), batch, temperature=temperature,
+            chunk_size=chunk_size or self.chunk_size, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, path=self.path,
+        )  # fmt: skip  # [N, T] each
+
+    def get_input_embeddings(self) -> Any:
+        return unwrap_peft(self.model).get_input_embeddings()
+
+    def get_output_embeddings(self) -> Any:
+        return unwrap_peft(self.model).get_output_embeddings()
+
+
+class DistributedPolicy:
+    """The policy whose `log_probs` and parameters are the wrapped ScoringModule's; every other
+    attribute (sample, reference, save_pretrained, engine ...) is the wrapped policy's, whose
+    `model` is the trained model itself (DDP, ZeRO-2) or a refreshed plain copy (sharded)."""
+
+    def __init__(self, policy: Any, module: Any, backend: Any) -> None:
+        self.policy, self.module, self.backend = policy, module, backend
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> DistributedPolicy:
+        self.policy.train(mode)
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DistributedPolicy:
+        return self.train(False)
+
+    def load_saved_weights(self, directory: Any) -> None:
+        """Resume: the saved full weights into the policy's model, then into the shards."""
+        self.policy.load_saved_weights(directory)
+        if hasattr(self.backend, "copy"):
+            self.backend.load_full(self.policy.model.state_dict())
+
+    def log_probs(self, batch, *, temperature: float = 1.0, with_entropy: bool = True,
+                  chunk_size: int | None = None, entropy_grad: bool = False) -> PolicyOutput:  # fmt: skip
+        logp, entropy = self.module(
+            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+            temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            chunk_size=chunk_size,
+        )  # fmt: skip  # [N, T] each
+        return PolicyOutput(logp=logp, entropy=entropy)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+class ScoreView:
+    """prepare()'s view of the policy: log_probs and the reference's log_probs score this
+    process's share of rows and all-gather the whole [N, T]."""
+
+    def __init__(self, policy: Any, dist: Any) -> None:
+        self.policy, self.dist = policy, dist
+
+    def log_probs(self, batch, **kwargs: Any) -> PolicyOutput:
+        def fn(rows):
+            out = self.policy.log_probs(rows, **kwargs)
+            return out.logp, out.entropy
+
+        logp, entropy = self.dist.score_rows(fn, batch)
+        return PolicyOutput(logp=logp, entropy=entropy)
+
+    @contextmanager
+    def reference(self) -> Iterator[Any]:
+        with self.policy.reference() as ref:
+            yield _SplitScorer(ref, self.dist)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+class _SplitScorer:
+    def __init__(self, scorer: Any, dist: Any) -> None:
+        self.scorer, self.dist = scorer, dist
+
+    def log_probs(self, batch, temperature: float = 1.0) -> Tensor:  # [N, T]
+        return self.dist.score_rows(lambda b: (self.scorer.log_probs(b, temperature), None), batch)[
+            0
+        ]
+
+
+def _rows(batch: Any, idx: Tensor) -> Any:
+    """Rows `idx` of a TokenBatch-like dataclass (every field batched along dim 0)."""
+    return replace(batch, **{f.name: getattr(batch, f.name)[idx] for f in fields(batch)})
