@@ -1,0 +1,1 @@
+"""Workloads: the seam between the training loop and a modality (base.py)."""
