@@ -1,4 +1,5 @@
-"""Between sampling and the update: old / reference log-probs, advantages and loss weights.
+"""Between sampling and the update of a token policy (text, agents): old / reference log-probs,
+advantages and loss weights.
 
 Fills, on the Rollout: old_logp (when the update is off-policy), ref_logp (KL), advantages [N],
 token_scales [N, T] (lambda-GRPO prefix-share scales x EGSW weights) and seq_weights [N] (Delta-L),
@@ -8,6 +9,7 @@ all computed once over the WHOLE batch, so that any micro-batch split sees the s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,21 +19,27 @@ from grouprl.objectives import compute_advantages, sequence_kl
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.group_stats import batch_std
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
-from grouprl.rollouts.episodes import advantages as episode_advantages
+from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
-from grouprl.rollouts.image_loss import prepare as prepare_images
-from grouprl.rollouts.images import is_images
 from grouprl.types import Rollout
+
+# rollout -> per-token advantages [N, T] (agents: per-turn credit); None: group advantages [N]
+TokenCredit = Callable[[Rollout], Tensor] | None
 
 
 @torch.no_grad()
-def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
-    """Fill the rollout for the loss (see module docstring); return reward / length metrics."""
-    if is_images(cfg):  # flow / diffusion policies: per-step Gaussian KL, clipped advantages
-        return prepare_images(cfg, policy, rollout, weights)
+def prepare(
+    cfg: Any,
+    policy: Any,
+    rollout: Rollout,
+    weights: dict[str, float],
+    credit: TokenCredit = None,
+) -> dict[str, float]:
+    """Fill the rollout for the loss (see module docstring); return reward / length metrics.
+    credit: per-token advantages of multi-turn episodes (workloads/agent.py); None for the group
+    advantages of algorithm.advantage."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
     batch = rollout.actions
-    single_pass = a.epochs == 1 and a.minibatches == 1
     current = None  # a no-grad forward of the current policy, made at most once
 
     def current_policy():
@@ -40,7 +48,7 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             current = policy.log_probs(batch, temperature=temp, with_entropy=a.egsw != "off")
         return current
 
-    if cfg.rollout.old_logp == "recompute" and not single_pass:
+    if recompute_old(cfg):
         rollout.old_logp = current_policy().logp  # [N, T]
     # single pass: old_logp is set to the detached current logp inside update() (same weights)
     if a.kl_coef > 0:
@@ -51,8 +59,8 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
             weights = {**weights, "kl_penalty": 1.0}
     lengths = batch.lengths.float()  # [N]
-    if rollout.step_ids is not None:  # multi-turn episodes: per-turn credit, [N, T]
-        rollout.advantages = episode_advantages(cfg, rollout)  # [N, T]
+    if credit is not None:  # multi-turn episodes: per-turn credit
+        rollout.advantages = credit(rollout)  # [N, T]
     else:
         rollout.advantages = compute_advantages(
             a.advantage, rollout.rewards, rollout.group_ids,
