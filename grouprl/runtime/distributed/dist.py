@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.policies.text.engines.seeded import sample_seed
 from grouprl.rollouts.batching import chunks, fill_micro_batches, split_batch
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.rollouts.seeds import sample_seed
 from grouprl.runtime.checkpoint import (
     CheckpointManager,
     capture_rng,
