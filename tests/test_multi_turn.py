@@ -416,7 +416,7 @@ def test_turn_seeds_hand_checked():
 )
 def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want):
     from grouprl.config.loading import validate
-    from grouprl.rollouts import episodes
+    from grouprl.workloads import agent as episodes
 
     seen = {}
 

@@ -3,25 +3,31 @@
 An action is a token of one of the agent's own turns (environment and tool tokens are masked out),
 so the loss is the token loss of workloads/tokens.py. The environment gives the rewards (the
 episode return; no reward functions), credit is per turn (objectives/gigpo.py: GiGPO, episode
-GRPO ...), and StarPO-S may keep only the groups whose returns vary most. Glue:
-rollouts/episodes.py (collect / advantages / evaluate over envs/gym.py).
+GRPO ...), and StarPO-S may keep only the groups whose returns vary most. The episodes are run
+token-in / token-out by rollouts/multi_turn.py over the text environments of envs/gym.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from grouprl.config.loop import AgentConfig
-from grouprl.rollouts import episodes
-from grouprl.rollouts.prepare import prepare
+from grouprl.envs.gym import make_text_env
+from grouprl.envs.tools.schemas import ToolSet, load_tools
+from grouprl.envs.vector import VectorRunner
+from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.runtime.env_guard import EnvGuard
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, register
 from grouprl.workloads.text import causal_lm_policy, sampling_params
-from grouprl.workloads.tokens import token_micro_loss
+from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
 @register
@@ -64,7 +70,7 @@ class AgentWorkload:
         self, policy: Any, examples: list[dict], *, first_group_id: int, step: int
     ) -> Collected:
         def episodes_of(part: list[dict], first: int) -> tuple[Rollout, dict]:
-            got = episodes.collect(
+            got = collect(
                 self.cfg, policy, part, self.params,
                 group_size=self.cfg.rollout.group_size, first_group_id=first,
             )  # fmt: skip
@@ -74,14 +80,14 @@ class AgentWorkload:
         return Collected(rollout)  # scored 0: no reward function saw the episodes
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
-        metrics = episodes.episode_metrics(rollout)  # over every episode, before the filter
-        return episodes.keep_informative(self.cfg, rollout), metrics
+        metrics = episode_metrics(rollout)  # over every episode, before the filter
+        return keep_informative(self.cfg, rollout), metrics
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return prepare(self.cfg, scorer, rollout, weights, credit=self._credit)
 
     def _credit(self, rollout: Rollout) -> Tensor:
-        return episodes.advantages(self.cfg, rollout)  # [N, T]
+        return advantages(self.cfg, rollout)  # [N, T]
 
     def micro_loss(
         self, sub: Rollout, counts: dict[str, Any], *, single_pass: bool
@@ -92,7 +98,109 @@ class AgentWorkload:
         return {}
 
     def evaluate(self, examples: list[dict], *, step: int) -> tuple[dict[str, float], list[dict]]:
-        return episodes.evaluate(self.cfg, self.policy, examples, self.params)
+        return evaluate(self.cfg, self.policy, examples, self.params)
 
     def accuracy_key(self) -> str:
         return "success"
+
+
+# ---- episodes: collect, credit, metrics, evaluation ---------------------------------------------
+
+
+def _make_env(example: dict):
+    return partial(make_text_env, example["env_id"], **example.get("env_kwargs", {}))
+
+
+def collect(
+    cfg: Any,
+    policy: Any,
+    examples: list[dict],
+    params: SamplingParams,
+    *,
+    group_size: int,
+    first_group_id: int = 0,
+    greedy: bool = False,
+) -> Rollout:
+    """group_size episodes per example (an env seed), all examples of one env id."""
+    ag = cfg.agent
+    env_ids = {(ex["env_id"], repr(ex.get("env_kwargs"))) for ex in examples}
+    if len(env_ids) != 1:
+        raise ValueError(f"one batch must use one environment, got {sorted(env_ids)}")
+    # a step that raises (or misses agent.env_step_timeout_s) ends its episode with an error
+    runner = VectorRunner(ag.env_execution, ag.env_workers)  # how the env steps of a turn run
+    guard = EnvGuard(ag.env_step_timeout_s, cfg.run.fail_fast, own_process=runner.own_process)
+    toolset = ToolSet(load_tools(ag.tools)) if ag.tools else None
+    with runner:
+        rollout = collect_episodes(
+            policy, guard.wrap(_make_env(examples[0])), [ex["seed"] for ex in examples],
+            group_size, params, max_turns=ag.max_turns, max_turn_tokens=ag.max_turn_tokens,
+            max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
+            first_group_id=first_group_id, greedy=greedy, runner=runner,
+            seed=cfg.run.seed if cfg.rollout.seeding == "per_sample" and not greedy else None,
+            toolset=toolset, tool_format=ag.tool_format,
+        )  # fmt: skip
+    rollout.info["env_error"] = guard.errors()  # envs are made in episode order
+    return rollout
+
+
+def keep_informative(cfg: Any, rollout: Rollout) -> Rollout:
+    """StarPO-S: keep the top `agent.keep_top_groups` fraction of groups by return std."""
+    if cfg.agent.keep_top_groups >= 1.0:
+        return rollout
+    keep = keep_top_groups_by_std(
+        rollout.rewards["return"], rollout.group_ids, cfg.agent.keep_top_groups
+    )  # [N]
+    return rollout.select(keep.nonzero().squeeze(1))
+
+
+def advantages(cfg: Any, rollout: Rollout) -> torch.Tensor:
+    """Per-token advantages [N, T] from the configured credit assignment."""
+    ag = cfg.agent
+    return agent_advantages(
+        ag.credit, rollout.rewards["return"], rollout.step_rewards, rollout.step_ids,
+        rollout.anchor_keys, rollout.group_ids,
+        gamma=ag.gamma, omega=ag.omega, norm=ag.norm, eps=ag.adv_eps,
+    )  # fmt: skip
+
+
+def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, float]:
+    info = rollout.info
+    n = max(len(rollout), 1)
+    return {
+        f"{prefix}/success": sum(map(bool, info["success"])) / n,
+        f"{prefix}/return": float(rollout.rewards["return"].mean()),
+        f"{prefix}/turns": sum(info["turns"]) / n,
+        f"{prefix}/invalid_actions": sum(info["invalid_actions"]) / n,
+        "env_errors": float(sum(e is not None for e in info.get("env_error", []))),
+        f"{prefix}/tool_calls": sum(info.get("tool_calls", [])) / n,
+        f"{prefix}/tool_errors": sum(info.get("tool_errors", [])) / n,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    cfg: Any, policy: Any, examples: list[dict], params: SamplingParams, *, n_samples: int = 3
+) -> tuple[dict[str, float], list[dict]]:
+    """Greedy episodes from the held-out seeds: success rate, mean return, turns, invalid actions;
+    with eval.pass_k = k > 0 also k sampled episodes per seed (the rollout temperature):
+    `sampled_success` (their mean) and `pass@k` (some episode of the seed succeeded).
+    rows = the first `n_samples` greedy transcripts for samples.md."""
+    rollout = collect(cfg, policy, examples, params, group_size=1, greedy=True)
+    m = episode_metrics(rollout, prefix="x")
+    metrics = {
+        "accuracy": m["x/success"],  # "accuracy" = success rate: the number the curves show
+        "return": m["x/return"],
+        "turns": m["x/turns"],
+        "invalid_actions": m["x/invalid_actions"],
+    }
+    k = cfg.eval.pass_k
+    if k > 0:
+        sampled = collect(cfg, policy, examples, params, group_size=k)
+        success = torch.tensor(sampled.info["success"], dtype=torch.float32).view(-1, k)  # [S, k]
+        metrics["sampled_success"] = float(success.mean())
+        metrics[f"pass@{k}"] = float(success.amax(-1).mean())
+    rows = [
+        {"seed": ex["seed"], "transcript": t, "success": float(s)}
+        for ex, t, s in zip(examples, rollout.info["transcript"], rollout.info["success"])
+    ][:n_samples]
+    return metrics, rows

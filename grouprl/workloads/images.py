@@ -17,10 +17,10 @@ from torch import Tensor
 
 from grouprl.config.diffusion import DiffusionConfig
 from grouprl.rollouts import image_loss, images
-from grouprl.rollouts.evaluation import accuracy_key
 from grouprl.runtime.build import build_rewards
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, register
+from grouprl.workloads.text import accuracy_key
 
 
 @register

@@ -2,30 +2,29 @@
 
 The workload of verifiable tasks (math, countdown, code ...) and of model-based text rewards:
 collect = rollouts/single_turn.py (each process samples its share of the groups), prepare =
-rollouts/prepare.py (old / reference log-probs, group advantages, token scales), the loss =
-workloads/tokens.py, evaluation = greedy accuracy and pass@k (rollouts/evaluation.py).
+workloads/tokens.py (old / reference log-probs, group advantages, token scales; the token loss),
+evaluation = greedy accuracy and pass@k on the held-out split (below).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from grouprl.envs.rewards import RewardFn
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
-from grouprl.rollouts import evaluation
 from grouprl.rollouts.batching import single_pass
-from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, register
-from grouprl.workloads.tokens import token_micro_loss
+from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
 def causal_lm_policy(cfg: Any, device: torch.device) -> CausalLMPolicy:
@@ -138,7 +137,7 @@ class TextWorkload:
 
     def evaluate(self, examples: list[dict], *, step: int) -> tuple[dict[str, float], list[dict]]:
         e = self.cfg.eval
-        metrics, rows = evaluation.evaluate(
+        metrics, rows = evaluate(
             self.policy, examples, self.reward_fns, self.params,
             batch_size=e.batch_size, pass_k=e.pass_k,
         )  # fmt: skip
@@ -146,7 +145,7 @@ class TextWorkload:
         return metrics, rows
 
     def accuracy_key(self) -> str:
-        return evaluation.accuracy_key(self.reward_fns)
+        return accuracy_key(self.reward_fns)
 
 
 def step_mismatch(cfg: Any, rollout: Rollout) -> dict[str, float]:
@@ -157,3 +156,57 @@ def step_mismatch(cfg: Any, rollout: Rollout) -> dict[str, float]:
     if rollout.engine_logp is None or (cfg.rollout.old_logp == "engine" and not single_pass(cfg)):
         return {}
     return engine_mismatch(rollout.old_logp, rollout.engine_logp, rollout.mask)
+
+
+# ---- held-out evaluation: greedy accuracy and pass@k ---------------------------------------------
+
+
+def accuracy_key(reward_fns: dict[str, RewardFn]) -> str:
+    """The reward that counts as correctness: "accuracy" when present, else the first one."""
+    return "accuracy" if "accuracy" in reward_fns else next(iter(reward_fns))
+
+
+@torch.no_grad()
+def evaluate(
+    policy: Any,
+    examples: list[dict],
+    reward_fns: dict[str, RewardFn],
+    params: SamplingParams,
+    *,
+    batch_size: int,
+    pass_k: int = 0,
+    n_samples: int = 4,
+) -> tuple[dict[str, float], list[dict]]:
+    """Greedy accuracy (mean of the correctness reward, NaN counted as wrong), mean greedy length,
+    and pass@k (k samples at the rollout temperature; a problem passes if any sample scores >= 1).
+
+    Returns (metrics, rows): rows are the first `n_samples` greedy completions for the sample table.
+    """
+    key = accuracy_key(reward_fns)
+    scorer = {key: reward_fns[key]}
+    correct, lengths, passed, rows = [], [], [], []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        greedy, _ = collect(policy, chunk, 1, params, scorer, greedy=True)
+        correct.append(torch.nan_to_num(greedy.rewards[key], nan=0.0))  # [b]
+        lengths.append(greedy.actions.lengths.float())  # [b]
+        for i in range(min(len(chunk), n_samples - len(rows))):
+            rows.append(
+                {
+                    "prompt": greedy.info["prompt"][i],
+                    "completion": greedy.info["completion"][i],
+                    key: float(greedy.rewards[key][i]),
+                    "answer": chunk[i].get("answer", ""),
+                }
+            )
+        if pass_k > 0:
+            sampled, _ = collect(policy, chunk, pass_k, replace(params), scorer)
+            best = torch.nan_to_num(sampled.rewards[key], nan=0.0).view(len(chunk), pass_k)
+            passed.append((best.max(1).values >= 1.0).float())  # [b]
+    metrics = {
+        "accuracy": float(torch.cat(correct).mean()),
+        "response_length": float(torch.cat(lengths).mean()),
+    }
+    if pass_k > 0:
+        metrics[f"pass@{pass_k}"] = float(torch.cat(passed).mean())
+    return metrics, rows

@@ -1,18 +1,109 @@
-"""What text and agent workloads share: a token policy's loss on one micro-batch.
+"""What text and agent workloads share: a token policy's preparation of a batch and its loss.
 
 Both train a causal LM on the tokens it generated (agents: the tokens of its own turns; the
-environment's tokens are masked out), so both score a micro-batch with `policy.log_probs` and
-hand the log-probs to the one objective library (objectives.total_loss).
+environment's tokens are masked out), so both:
+- prepare the batch once, between sampling and the update: old / reference log-probs, advantages
+  and loss weights. Fills, on the Rollout: old_logp (when the update is off-policy), ref_logp (KL),
+  advantages [N] (agents: [N, T] from their per-turn credit), token_scales [N, T] (lambda-GRPO
+  prefix-share scales x EGSW weights) and seq_weights [N] (Delta-L), all computed over the WHOLE
+  batch, so that any micro-batch split sees the same numbers;
+- score a micro-batch with `policy.log_probs` and hand the log-probs to the one objective library
+  (objectives.total_loss).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from grouprl.objectives import total_loss
+from grouprl.objectives import compute_advantages, sequence_kl, total_loss
+from grouprl.objectives.aggregation import delta_l_weights
+from grouprl.objectives.group_stats import batch_std
+from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
+from grouprl.rollouts.batching import recompute_old
+from grouprl.rollouts.filters import combined_reward
 from grouprl.types import LossOutput, Rollout
+
+# rollout -> per-token advantages [N, T] (agents: per-turn credit); None: group advantages [N]
+TokenCredit = Callable[[Rollout], Tensor] | None
+
+
+@torch.no_grad()
+def prepare(
+    cfg: Any,
+    policy: Any,
+    rollout: Rollout,
+    weights: dict[str, float],
+    credit: TokenCredit = None,
+) -> dict[str, float]:
+    """Fill the rollout for the loss (see module docstring); return reward / length metrics.
+    credit: per-token advantages of multi-turn episodes (workloads/agent.py); None for the group
+    advantages of algorithm.advantage."""
+    a, temp = cfg.algorithm, cfg.rollout.temperature
+    batch = rollout.actions
+    current = None  # a no-grad forward of the current policy, made at most once
+
+    def current_policy():
+        nonlocal current
+        if current is None:
+            current = policy.log_probs(batch, temperature=temp, with_entropy=a.egsw != "off")
+        return current
+
+    if recompute_old(cfg):
+        rollout.old_logp = current_policy().logp  # [N, T]
+    # single pass: old_logp is set to the detached current logp inside update() (same weights)
+    if a.kl_coef > 0:
+        with policy.reference() as ref:
+            rollout.ref_logp = ref.log_probs(batch, temperature=temp)  # [N, T]
+        if a.kl_mode == "reward":  # the trainer's log-probs, never the engine's
+            kl = sequence_kl(current_policy().logp, rollout.ref_logp, rollout.mask, a.kl_estimator)
+            rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
+            weights = {**weights, "kl_penalty": 1.0}
+    lengths = batch.lengths.float()  # [N]
+    if credit is not None:  # multi-turn episodes: per-turn credit
+        rollout.advantages = credit(rollout)  # [N, T]
+    else:
+        rollout.advantages = compute_advantages(
+            a.advantage, rollout.rewards, rollout.group_ids,
+            weights={k: weights[k] for k in rollout.rewards},
+            reward_aggregation=a.reward_aggregation, lengths=lengths, scale=a.scale,
+            eps=a.adv_eps,
+        )  # fmt: skip  # [N]
+    rollout.token_scales = _token_scales(a, rollout, current_policy)  # [N, T] or None
+    if a.aggregation == "delta_l":
+        rollout.seq_weights = delta_l_weights(lengths, a.delta_l_alpha)  # [N]
+
+    total = combined_reward(rollout.rewards, weights)  # [N]
+    metrics = {
+        "reward/mean": float(torch.nanmean(total)),
+        "reward/std": float(batch_std(total, ~total.isnan())),
+    }
+    for k, v in rollout.rewards.items():
+        metrics[f"reward/{k}"] = float(torch.nanmean(v)) if (~v.isnan()).any() else math.nan
+    metrics.update({"response_length/mean": float(lengths.mean()),
+                    "response_length/max": float(lengths.max()),
+                    "truncated_frac": float(batch.truncated.float().mean())})  # fmt: skip
+    return metrics
+
+
+def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
+    """lambda-GRPO scales times EGSW weights, Float[N, T]; None when neither is on."""
+    scales = None
+    if a.token_scale == "prefix_share":
+        tokens = rollout.actions.completion_ids  # [N, T]
+        scales = prefix_share_scales(tokens, rollout.mask, rollout.group_ids)  # [N, T]
+    if a.egsw != "off":
+        entropy = current_policy().entropy  # [N, T]
+        w = egsw_weights(
+            rollout.advantages, entropy, rollout.mask, rollout.group_ids,
+            alpha=a.egsw_alpha, temperature=a.egsw_temperature, level=a.egsw,
+        )  # fmt: skip  # [N, T]
+        scales = w if scales is None else scales * w
+    return scales
 
 
 def token_micro_loss(
