@@ -41,7 +41,7 @@ from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from,
 from grouprl.runtime.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
 from grouprl.types import Rollout
 from grouprl.workloads import build_policy, build_rewards, refuse_unsupported, workload_of
-from grouprl.workloads.base import Workload
+from grouprl.workloads.base import Parts, Workload
 
 
 class UserCodeExit(RuntimeError):
@@ -328,7 +328,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     if kind.capabilities.prompt_guard:  # over-long prompts: filter / truncate / error
         task.train, eval_examples = apply_prompt_guard(cfg, policy, task.train, eval_examples)
-    workload = kind.build(cfg, policy=policy, reward_fns=reward_fns, weights=weights, dist=dist)
+    workload = kind(Parts(cfg, policy, reward_fns, weights, dist))
     sampler = build_sampler(cfg, task.train)
     if dist.is_main:  # everything is built: only now is the run directory touched
         claim_run_dir(cfg, changes)

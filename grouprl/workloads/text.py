@@ -8,7 +8,7 @@ evaluation = greedy accuracy and pass@k on the held-out split (below).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +23,7 @@ from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
 from grouprl.types import LossOutput, Rollout
-from grouprl.workloads.base import Capabilities, Collected, register
+from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
@@ -73,7 +73,6 @@ TEXT_ENGINES = {
 
 
 @register
-@dataclass
 class TextWorkload:
     """See the module docstring. reward_fns: name -> batched reward function; weights: their
     weights in the combined reward."""
@@ -85,11 +84,10 @@ class TextWorkload:
     )  # fmt: skip
     settings: ClassVar[None] = None
 
-    cfg: Any
-    policy: Any
-    reward_fns: dict
-    weights: dict[str, float]
-    dist: Any
+    def __init__(self, parts: Parts) -> None:
+        self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
+        self.reward_fns = parts.reward_fns  # name -> batched function
+        self.params = sampling_params(parts.cfg)
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> CausalLMPolicy:
@@ -98,13 +96,6 @@ class TextWorkload:
     @classmethod
     def build_rewards(cls, cfg: Any, task: Any) -> tuple[dict, dict[str, float]]:
         return build_rewards(cfg, task, required=True)
-
-    @classmethod
-    def build(cls, cfg: Any, *, policy: Any, reward_fns: dict, weights: dict, dist: Any):
-        return cls(cfg, policy, reward_fns, weights, dist)
-
-    def __post_init__(self) -> None:
-        self.params = sampling_params(self.cfg)
 
     def max_len(self) -> int:
         return self.cfg.rollout.max_new_tokens  # one completion
