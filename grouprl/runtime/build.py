@@ -11,7 +11,7 @@ import torch
 
 from grouprl.config.loading import Config
 from grouprl.envs.rewards import build_reward, overlong_reward
-from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.curriculum import DumpSampler
 from grouprl.rollouts.prompt_sampler import PromptSampler
@@ -57,20 +57,34 @@ def build_policy(cfg: Config, device: torch.device) -> Any:
     return POLICIES[cfg.model.type](cfg, device)
 
 
-def _causal_lm_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
+def causal_lm_policy(
+    cfg: Config, device: torch.device, loaded: tuple[Any, Any] | None = None
+) -> CausalLMPolicy:
+    """model: -> CausalLMPolicy; loaded: (transformers model, tokenizer) given from Python (the
+    Python API) instead of model.name_or_path, in the dtype model.dtype names."""
     m = cfg.model
-    policy = CausalLMPolicy.from_pretrained(
-        m.name_or_path,
-        dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code,
+    settings = dict(
         lora=m.lora.model_dump() if m.lora else None,
         gradient_checkpointing=m.gradient_checkpointing,
         logprob_chunk_size=m.logprob_chunk_size,
         logprob_path=m.logprob_path,
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
-        engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
     )
+    if loaded is not None and cfg.rollout.engine not in LOCAL_ENGINES:
+        raise ValueError(
+            f"rollout.engine={cfg.rollout.engine!r} loads the model from model.name_or_path; a "
+            f"model given as an object samples with one of {sorted(LOCAL_ENGINES)}"
+        )
+    engine = TEXT_ENGINES[cfg.rollout.engine](cfg, device)
+    if loaded is not None:
+        model, tokenizer = loaded
+        policy = CausalLMPolicy(model, tokenizer, compute_dtype=m.dtype, engine=engine, **settings)
+    else:
+        policy = CausalLMPolicy.from_pretrained(
+            m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
+            **settings,
+        )  # fmt: skip
     return policy.to(device)
 
 
@@ -98,7 +112,7 @@ def _flow_policy(cfg: Config, device: torch.device):
 
 
 # model.type -> policy builder
-POLICIES = {"causal_lm": _causal_lm_policy, "flow": _flow_policy, "unet": _flow_policy}
+POLICIES = {"causal_lm": causal_lm_policy, "flow": _flow_policy, "unet": _flow_policy}
 
 
 def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:
