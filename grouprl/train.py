@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import Dataset
 from transformers import PreTrainedModel
 
 from grouprl.config.loading import (
@@ -620,8 +621,9 @@ class Trainer:
         eval_dataset: Any = None,
         env: Any = None,
     ) -> None:
-        parts = GivenParts.sort(policy, tokenizer, reward_fns, reward_weights, dataset,
-                                eval_dataset, env)  # fmt: skip
+        parts = TrainerArguments.sort(
+            policy, tokenizer, reward_fns, reward_weights, dataset, eval_dataset, env
+        )
         self.config = parts.complete(config, list(overrides))
         self.policy: Any = parts.ready_policy
         self._parts = parts
@@ -652,7 +654,7 @@ _ARGUMENT_KEYS = {
 
 
 @dataclass
-class GivenParts:
+class TrainerArguments:
     """The Trainer's arguments, sorted into what they set in the config (a string as it is, an
     object as its "<python>:what" record) and the objects the run is built from."""
 
@@ -667,7 +669,7 @@ class GivenParts:
     @classmethod
     def sort(
         cls, policy, tokenizer, reward_fns, reward_weights, dataset, eval_dataset, env
-    ) -> GivenParts:
+    ) -> TrainerArguments:
         parts = cls(settings={}, rewards=None, task_objects={}, reward_objects={})
         if tokenizer is not None and not isinstance(policy, PreTrainedModel):
             raise ValueError("tokenizer= goes with a transformers model given as policy=")
@@ -698,7 +700,7 @@ class GivenParts:
                 parts.settings[argument] = value
             elif value is not None:
                 parts.task_objects[_ARGUMENT_KEYS[argument].rsplit(".", 1)[-1]] = value
-                rows = f" of {len(value)} rows" if isinstance(value, list) else ""
+                rows = f" of {len(value)} rows" if isinstance(value, list | Dataset) else ""
                 parts.settings[argument] = python_object(type(value).__name__ + rows)
         if env is not None:
             if dataset is not None or eval_dataset is not None or reward_fns is not None:
@@ -810,6 +812,9 @@ class GivenParts:
                     raise conflict(f"task.options.{option}", options[option], argument)
                 options[option] = s[argument]
         if self.rewards is not None:
+            task = raw.get("task") if isinstance(raw.get("task"), dict) else {}
+            if task.get("name") == "env":  # the environment gives the rewards
+                raise conflict("task.name", "env", "reward_fns")
             mine = raw.get("rewards") or []
             names = [r.get("name") if isinstance(r, dict) else r for r in mine]
             if mine and names != s["reward_fns"]:

@@ -166,7 +166,7 @@ def test_datasets_dataset_evaluates_as_the_list(tmp_path, tiny_model_dir):
                          eval_dataset=Dataset.from_list(ROWS))  # fmt: skip
     first = as_list.evaluate()
     assert first == as_dataset.evaluate() and set(first) == {"accuracy", "response_length"}
-    assert as_dataset.config.task.options["source"] == "<python>:Dataset"
+    assert as_dataset.config.task.options["source"] == "<python>:Dataset of 12 rows"
     with pytest.raises(ValueError, match="row 1 of <list of 2 rows passed from Python> is a str"):
         Trainer(model_cfg, reward_fns=exact_sum, dataset=[{"prompt": "a"}, "b"]).evaluate()
     with pytest.raises(ValueError, match="column 'prompt' is not in"):
@@ -247,6 +247,8 @@ def test_env_factory_runs_an_agent_as_the_env_id_does(tmp_path, tiny_model_dir):
          "has no usable __name__"),
         ({}, {"reward_fns": [digits, digits]}, "two rewards are named 'digits'"),
         ({}, {"env": env_factory, "reward_fns": digits}, "reward_fns= do not apply"),
+        ({"task": {"name": "env"}}, {"reward_fns": digits},
+         "config sets task.name='env' and Trainer was given reward_fns="),
         ({}, {"reward_weights": {"digits": 2.0}}, "reward_weights= applies to reward_fns="),
         ({}, {"reward_fns": digits, "reward_weights": {"other": 2.0}},
          r"reward_weights names \['other'\]"),
@@ -286,6 +288,19 @@ def test_a_trainer_config_file_is_taken_back_with_the_same_objects(tmp_path, tin
     assert again.config.rewards == first.config.rewards
     assert again.config.task == first.config.task
     assert again.evaluate() == first.evaluate()
+
+
+def test_a_config_object_takes_the_parts_it_leaves_open(tmp_path, tiny_model_dir):
+    """A validated Config (model and task named) with reward functions given: they are its
+    rewards, and the task's eval split is evaluated with them."""
+    cfg = validate(run_cfg(tmp_path, task=ARITHMETIC, model={"name_or_path": str(tiny_model_dir)}))
+    trainer = Trainer(cfg, reward_fns=[digits, "accuracy"])
+    assert [r.name for r in trainer.config.rewards] == ["<python>:digits", "accuracy"]
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"accuracy", "response_length"}  # "accuracy": the task's own reward
+    assert Trainer(cfg).config is cfg
+    with pytest.raises(ValueError, match="config sets model.name_or_path="):
+        Trainer(cfg, policy="other/model")
 
 
 def test_load_config_is_exported(tmp_path):
