@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from grouprl.envs.rewards import RewardFn
-from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
 from grouprl.rollouts.batching import single_pass
@@ -27,21 +27,35 @@ from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
-def causal_lm_policy(cfg: Any, device: torch.device) -> CausalLMPolicy:
-    """model: -> CausalLMPolicy (transformers), its engine from rollout.engine."""
+def causal_lm_policy(
+    cfg: Any, device: torch.device, loaded: tuple[Any, Any] | None = None
+) -> CausalLMPolicy:
+    """model: -> CausalLMPolicy, its engine from rollout.engine; loaded: (transformers model,
+    tokenizer) given from Python (the Python API) instead of model.name_or_path, in the dtype
+    model.dtype names."""
     m = cfg.model
-    policy = CausalLMPolicy.from_pretrained(
-        m.name_or_path,
-        dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code,
+    settings = dict(
         lora=m.lora.model_dump() if m.lora else None,
         gradient_checkpointing=m.gradient_checkpointing,
         logprob_chunk_size=m.logprob_chunk_size,
         logprob_path=m.logprob_path,
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
-        engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
     )
+    if loaded is not None and cfg.rollout.engine not in LOCAL_ENGINES:
+        raise ValueError(
+            f"rollout.engine={cfg.rollout.engine!r} loads the model from model.name_or_path; a "
+            f"model given as an object samples with one of {sorted(LOCAL_ENGINES)}"
+        )
+    engine = TEXT_ENGINES[cfg.rollout.engine](cfg, device)
+    if loaded is not None:
+        model, tokenizer = loaded
+        policy = CausalLMPolicy(model, tokenizer, compute_dtype=m.dtype, engine=engine, **settings)
+    else:
+        policy = CausalLMPolicy.from_pretrained(
+            m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
+            **settings,
+        )  # fmt: skip
     return policy.to(device)
 
 
