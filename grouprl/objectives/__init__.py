@@ -1,8 +1,9 @@
 """The objective library shared by every modality: pure functions on [N] / [N, T] tensors.
 
-Public entry points: compute_advantages, policy_loss, kl_penalty, aggregate, total_loss, kl_loss_term,
-engine_is_weights, high_entropy_mask, entropy_bonus, the likelihood-free flow losses
-(LIKELIHOOD_FREE: nft_loss, awm_loss) and the presets.
+Public entry points: compute_advantages, policy_loss, kl_penalty, aggregate, masked_mean,
+total_loss, kl_loss_term, engine_is_weights, high_entropy_mask, entropy_bonus and the
+likelihood-free flow losses (LIKELIHOOD_FREE: nft_loss, awm_loss). The algorithm presets that
+combine them are config/presets.
 """
 
 from grouprl.objectives.advantages import ADVANTAGES, compute_advantages
