@@ -13,8 +13,10 @@ import torch
 from torch import Tensor
 
 
-def _index(value: Any, idx: Tensor, n: int) -> Any:
-    """Select rows `idx` of anything that is batched along its first axis (tensor, list, dataclass)."""
+def select_rows(value: Any, idx: Tensor, n: int) -> Any:
+    """Rows `idx` (Long[k]) of anything batched along its first axis of length n: a tensor [n, ...],
+    a list / tuple of n items (-> list), and, recursively, a dict's values and a dataclass's fields.
+    Anything else (a tensor or list of another length, a scalar, None) is returned as it is."""
     if value is None:
         return None
     if isinstance(value, Tensor):
@@ -22,10 +24,10 @@ def _index(value: Any, idx: Tensor, n: int) -> Any:
     if isinstance(value, list | tuple) and len(value) == n:
         return [value[i] for i in idx.tolist()]
     if isinstance(value, dict):
-        return {k: _index(v, idx, n) for k, v in value.items()}
+        return {k: select_rows(v, idx, n) for k, v in value.items()}
     if hasattr(value, "__dataclass_fields__"):
         return replace(
-            value, **{f.name: _index(getattr(value, f.name), idx, n) for f in fields(value)}
+            value, **{f.name: select_rows(getattr(value, f.name), idx, n) for f in fields(value)}
         )
     return value
 
@@ -116,7 +118,7 @@ class Rollout:
         """Rows `idx` of every batched field (used for minibatches and dynamic-sampling filters)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         n = len(self)
-        return Rollout(**{f.name: _index(getattr(self, f.name), idx, n) for f in fields(self)})
+        return Rollout(**{f.name: select_rows(getattr(self, f.name), idx, n) for f in fields(self)})
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""grouprl.envs.tools.calls: action / tool-call parsing, ParseStats, tool schemas, ToolSet, tool prompts."""
+"""grouprl.envs.tools: action / tool-call parsing, ParseStats, tool schemas, ToolSet, tool prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from grouprl.envs.tools.calls import (
+from grouprl.envs.tools import (
     ACTION_FORMATS,
     ParsedAction,
     ParseStats,
@@ -308,3 +308,26 @@ def test_tools_system_prompt_empty_when_template_takes_tools():
     assert text == "<|tools|>add;listing;<|user|>hi\n"  # transformers trims the block's newline
     tok.chat_template = {"default": "x", "tool_use": TOOLS_TEMPLATE}
     assert template_supports_tools(tok)
+
+
+def test_tools_package_exports_every_public_name_of_its_modules():
+    """grouprl.envs.tools is the one import path: a public name added to calls, formats or schemas
+    and not exported from the package fails here (no module forwards names to another)."""
+    import inspect
+
+    from grouprl.envs import tools
+    from grouprl.envs.tools import calls, formats, schemas
+
+    for mod in (calls, formats, schemas):
+        public = {
+            name
+            for name, value in vars(mod).items()
+            if not name.startswith("_")
+            and not inspect.ismodule(value)
+            and getattr(value, "__module__", mod.__name__) == mod.__name__
+        }
+        assert public, mod.__name__
+        assert public <= set(tools.__all__), (mod.__name__, sorted(public - set(tools.__all__)))
+        assert not hasattr(mod, "__getattr__"), mod.__name__
+    missing = [name for name in tools.__all__ if not hasattr(tools, name)]
+    assert missing == []

@@ -43,7 +43,8 @@ ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 
 
 def test_sample_seeds_are_stable_and_distinct():
-    assert sample_seed(0, 5, 1) == sample_seed(0, 5, 1)
+    # pinned: a resumed run (a new process, another PYTHONHASHSEED) must draw the same seeds
+    assert sample_seed(0, 5, 1) == 3522800990720111236
     seeds = {sample_seed(s, g, j) for s in (0, 1) for g in range(50) for j in range(8)}
     assert len(seeds) == 2 * 50 * 8 and all(0 <= x < 2**63 for x in seeds)
     assert group_seeds(3, [7, 9], 2) == [sample_seed(3, g, j) for g in (7, 9) for j in (0, 1)]

@@ -216,3 +216,15 @@ def test_sample_until_full_never_returns_more_groups_than_wanted(wanted):
     fake = FakeSampler([[MIXED] * 5])
     out, _ = sample_until_full(fake, {"acc": 1.0}, groups_wanted=wanted, max_rounds=1)
     assert len(torch.unique(out.group_ids)) == wanted and len(out) == 2 * wanted
+
+
+def test_reward_metrics_hand_computed_and_unscored_reward_is_nan():
+    from grouprl.rollouts.reward_metrics import reward_metrics
+
+    rewards = {"a": torch.tensor([1.0, nan, 3.0]), "b": torch.tensor([nan, nan, nan])}
+    m = reward_metrics(rewards, {"a": 2.0, "b": 1.0})
+    # combined: [2, NaN, 6] (row 1: every reward NaN); mean 4, sample std sqrt(8)
+    assert m["reward/mean"] == pytest.approx(4.0)
+    assert m["reward/std"] == pytest.approx(math.sqrt(8.0))
+    assert m["reward/a"] == pytest.approx(2.0)  # unweighted mean over the scored rows
+    assert math.isnan(m["reward/b"])  # never scored: NaN, not 0

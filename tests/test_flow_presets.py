@@ -28,7 +28,6 @@ def test_flow_presets_are_registered_after_the_text_ones():
     assert [s["name"] for s in FLOW_PRESETS] == FLOW
     assert list(PRESETS)[-len(FLOW) :] == FLOW
     assert all(isinstance(PRESETS[n], Preset) for n in FLOW)
-    assert len(set(PRESETS)) == len(PRESETS)
 
 
 @pytest.mark.parametrize("name", FLOW)

@@ -12,12 +12,12 @@ import torch
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams
 from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
-from grouprl.rollouts.multi_turn import (
-    collect_episodes,
+from grouprl.rollouts.chat_delta import (
     first_messages,
     observation_delta_ids,
     observation_delta_text,
 )
+from grouprl.rollouts.multi_turn import collect_episodes
 
 # Qwen-style ChatML whose turn-closing marker is the tokenizer's EOS ("<eos>" stands for
 # <|im_end|>), with a default system message when none is given, as Qwen2.5's template has.

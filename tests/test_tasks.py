@@ -317,3 +317,25 @@ def test_math_directory_source_is_refused(tmp_path):
     (tmp_path / "ds").mkdir()
     with pytest.raises(ValueError, match="must be a file ending with one of"):
         build_task("math", source=str(tmp_path / "ds"))
+
+
+def test_train_and_eval_takes_eval_source_then_eval_split_then_a_held_out_fraction():
+    from grouprl.envs.tasks.base import train_and_eval
+
+    calls = []
+
+    def load(src, cfg, part):
+        calls.append((src, cfg, part))
+        return [{"prompt": f"{src}/{part}/{i}"} for i in range(4)]
+
+    train, ev = train_and_eval(load, "S", "c", "train", "E", "ec", "test", 0.0, 0)
+    assert calls == [("S", "c", "train"), ("E", "ec", "test")]
+    assert [e["prompt"] for e in ev] == [f"E/test/{i}" for i in range(4)] and len(train) == 4
+    calls.clear()
+    train, ev = train_and_eval(load, "S", "c", "train", None, None, "dev", 0.0, 0)
+    assert calls == [("S", "c", "train"), ("S", "c", "dev")]
+    assert ev[0]["prompt"] == "S/dev/0"
+    calls.clear()
+    train, ev = train_and_eval(load, "S", "c", "train", None, None, None, 0.5, 0)
+    assert calls == [("S", "c", "train")] and len(train) == 2 and len(ev) == 2
+    assert sorted(e["prompt"] for e in train + ev) == [f"S/train/{i}" for i in range(4)]

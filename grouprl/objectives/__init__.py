@@ -1,20 +1,27 @@
 """The objective library shared by every modality: pure functions on [N] / [N, T] tensors.
 
-Public entry points: compute_advantages, policy_loss, kl_penalty, aggregate, total_loss,
-engine_is_weights, high_entropy_mask, entropy_bonus, the likelihood-free flow losses
-(LIKELIHOOD_FREE: nft_loss, awm_loss) and the presets.
+Public entry points: compute_advantages, policy_loss, kl_penalty, aggregate, masked_mean,
+total_loss, kl_loss_term, engine_is_weights, high_entropy_mask, entropy_bonus and the
+likelihood-free flow losses (LIKELIHOOD_FREE: nft_loss, awm_loss). The algorithm presets that
+combine them are config/presets.
 """
 
 from grouprl.objectives.advantages import ADVANTAGES, compute_advantages
-from grouprl.objectives.aggregation import AGGREGATIONS, aggregate, delta_l_weights
+from grouprl.objectives.aggregation import (
+    AGG_COUNTS,
+    AGGREGATIONS,
+    aggregate,
+    delta_l_weights,
+    masked_mean,
+)
 from grouprl.objectives.correction import CORRECTIONS, engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask, token_entropy_from_logits
 from grouprl.objectives.flow.guard import guard_log_ratio, guard_step_loss
 from grouprl.objectives.flow.losses import LIKELIHOOD_FREE, awm_loss, nft_loss
-from grouprl.objectives.group_losses import pmd_token_loss, tpo_loss
+from grouprl.objectives.group_losses import GROUP_SURROGATES, pmd_token_loss, tpo_loss
 from grouprl.objectives.kl import KL_ESTIMATORS, kl_in_reward, kl_penalty, sequence_kl
 from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
-from grouprl.objectives.objective import count_tokens, total_loss
+from grouprl.objectives.objective import count_tokens, kl_loss_term, total_loss
 from grouprl.objectives.token_scales import (
     EGSW_MODES,
     TOKEN_SCALES,
@@ -24,9 +31,11 @@ from grouprl.objectives.token_scales import (
 
 __all__ = [
     "ADVANTAGES",
+    "AGG_COUNTS",
     "AGGREGATIONS",
     "CORRECTIONS",
     "EGSW_MODES",
+    "GROUP_SURROGATES",
     "KL_ESTIMATORS",
     "LIKELIHOOD_FREE",
     "RATIO_LEVELS",
@@ -44,7 +53,9 @@ __all__ = [
     "guard_step_loss",
     "high_entropy_mask",
     "kl_in_reward",
+    "kl_loss_term",
     "kl_penalty",
+    "masked_mean",
     "nft_loss",
     "pmd_token_loss",
     "policy_loss",

@@ -43,11 +43,26 @@ from torch import Tensor
 from grouprl.objectives.registry import Registry
 
 AGGREGATIONS = Registry("aggregation mode")
+# The counts aggregate() takes, a subset of the step's counts (count_tokens also gives num_groups).
+AGG_COUNTS = ("num_tokens", "num_seqs", "max_len")
 
 
 def _masked(loss_mat: Tensor, mask: Tensor) -> Tensor:
     """Zero the invalid slots with `where` (not a multiply) so NaN/inf in padding cannot leak."""
     return loss_mat.masked_fill(~mask, 0.0)  # [n, T]
+
+
+def masked_mean(x: Tensor, mask: Tensor, count: float | int | Tensor | None = None) -> Tensor:
+    """Sum of x over the True slots of mask (same shape as x), divided by `count` when given, else
+    by the number of True slots (at least 1, so an empty mask gives 0, never NaN) -> 0-dim tensor.
+
+    `count` is a global count (the pairs or tokens of the whole optimizer step): each micro-batch
+    then returns its share of the step's mean, and the shares sum to it. It is used as given (not
+    clamped). Padding may hold NaN / inf: it is zeroed with `masked_fill` before the sum. Metrics
+    take float() of the result; a loss term keeps the tensor (and its graph)."""
+    total = x.masked_fill(~mask, 0.0).sum()  # scalar
+    denom = mask.sum().clamp(min=1) if count is None else torch.as_tensor(count)  # scalar
+    return total / denom
 
 
 def safe_count(count: float | int | Tensor) -> float | Tensor:

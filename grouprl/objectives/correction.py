@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from grouprl.objectives.aggregation import masked_mean
 from grouprl.objectives.registry import Registry
 
 EngineCorrection = Literal[
@@ -83,10 +84,6 @@ def sequence_mask(log_w: Tensor, mask: Tensor, lo: float, hi: float) -> tuple[Te
     return torch.where(keep, w, torch.zeros_like(w)).expand_as(log_w), ~keep[:, 0]  # [N, T], [N]
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    return float((torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)).item())
-
-
 def engine_is_weights(
     old_logp: Tensor,
     engine_logp: Tensor | None,
@@ -125,15 +122,12 @@ def engine_is_weights(
         w = torch.where(mask, w, torch.ones_like(w))  # [N, T] padding -> 1
         tok_w = log_w.exp()  # [N, T]
         has_tokens = mask.any(-1)  # [N]
-        frac = (
-            _masked_mean(clipped.float(), mask)
-            if clipped.dim() == 2
-            else _masked_mean(clipped.float(), has_tokens)
-        )
+        per = mask if clipped.dim() == 2 else has_tokens  # [N, T] or [N]: token or sequence modes
         metrics = {
-            "engine_is/mean_weight": _masked_mean(w, mask),
-            "engine_is/frac_clipped": frac,
-            "engine_is/mean_abs_log_w": _masked_mean(log_w.abs(), mask),
-            "engine_is/kl_engine_trainer": _masked_mean(tok_w - 1.0 - log_w, mask),
+            "engine_is/mean_weight": masked_mean(w, mask),
+            "engine_is/frac_clipped": masked_mean(clipped.float(), per),
+            "engine_is/mean_abs_log_w": masked_mean(log_w.abs(), mask),
+            "engine_is/kl_engine_trainer": masked_mean(tok_w - 1.0 - log_w, mask),
         }
+        metrics = {k: float(v) for k, v in metrics.items()}
     return w.detach(), metrics

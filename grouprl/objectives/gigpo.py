@@ -8,8 +8,9 @@ GiGPO, Group-in-Group Policy Optimization, arXiv 2505.10978 (METHODS.md section 
                      same forms one step group (anchor = exact state key from the env)
   step advantage     A^S_{i,t} = (R^i_t - mean_S) / (std_S + eps)  (or mean-only), over the step group
   combined           A_{i,t} = A^E_i + omega * A^S_{i,t}, the same for every token of turn t
-Defaults: omega = 1.0, gamma = 0.95, eps = 1e-6, norm = "mean_std_norm" (the ALFWorld recipe; the
-verl-agent function default is "mean_norm").
+Defaults (GAMMA, OMEGA, ADV_EPS, NORM below, the one declaration): omega = 1.0, gamma = 0.95,
+eps = 1e-6, norm = "mean_std_norm" (the ALFWorld recipe; the verl-agent function default is
+"mean_norm").
 
 Credit modes (`CREDIT` registry, `agent_advantages` is the entry point):
   "trajectory"  A^E_i on every agent token of trajectory i (GRPO on episode returns; StarPO's GRPO).
@@ -52,6 +53,12 @@ _SCALE = {"mean_std_norm": "group", "mean_norm": "none"}  # norm -> advantages.p
 
 CREDIT = Registry("agent credit mode")
 
+# The defaults of every function here (module docstring); the agent config should read them too.
+GAMMA = 0.95  # discount of the per-turn returns
+OMEGA = 1.0  # weight of the step advantage
+ADV_EPS = 1e-6  # added to the std in the episode / step normalisation
+NORM: Norm = "mean_std_norm"
+
 
 def _check_step_rewards(step_rewards: Tensor) -> Tensor:
     """Bool[N, K] of valid turns; NaN must only form a tail (after the episode ended), no inf."""
@@ -76,7 +83,7 @@ def _scale(norm: str) -> str:
     return _SCALE[norm]
 
 
-def discounted_returns(step_rewards: Tensor, gamma: float = 0.95) -> Tensor:
+def discounted_returns(step_rewards: Tensor, gamma: float = GAMMA) -> Tensor:
     """R_t = sum_{k>=t} gamma^(k-t) r_k per trajectory -> Float[N, K]; NaN stays NaN after the end."""
     valid = _check_step_rewards(step_rewards)  # [N, K]
     r = torch.where(valid, step_rewards, torch.zeros_like(step_rewards))  # [N, K] NaN -> 0
@@ -89,7 +96,7 @@ def discounted_returns(step_rewards: Tensor, gamma: float = 0.95) -> Tensor:
 
 
 def episode_advantages(
-    returns: Tensor, group_ids: Tensor, mode: Norm = "mean_std_norm", eps: float = 1e-6
+    returns: Tensor, group_ids: Tensor, mode: Norm = NORM, eps: float = ADV_EPS
 ) -> Tensor:
     """A^E = (R - mean_g) / (sample std_g + eps), or R - mean_g -> Float[N]; degenerate groups 0."""
     return compute_advantages("grpo", returns, group_ids, scale=_scale(mode), eps=eps)  # [N]
@@ -122,8 +129,8 @@ def step_advantages(
     step_returns: Tensor,
     anchor_keys: list[list[Any]],
     group_ids: Tensor,
-    mode: Norm = "mean_std_norm",
-    eps: float = 1e-6,
+    mode: Norm = NORM,
+    eps: float = ADV_EPS,
 ) -> Tensor:
     """A^S over anchor step groups -> Float[N, K] (NaN after the end; singleton step groups 0).
 
@@ -157,10 +164,10 @@ def gigpo_advantages(
     anchor_keys: list[list[Any]],
     group_ids: Tensor,
     *,
-    gamma: float = 0.95,
-    omega: float = 1.0,
-    norm: Norm = "mean_std_norm",
-    eps: float = 1e-6,
+    gamma: float = GAMMA,
+    omega: float = OMEGA,
+    norm: Norm = NORM,
+    eps: float = ADV_EPS,
 ) -> Tensor:
     """A^E[:, None] + omega * A^S -> Float[N, K] (NaN after the end)."""
     a_e = episode_advantages(episode_returns, group_ids, norm, eps)  # [N]
@@ -227,10 +234,10 @@ def agent_advantages(
     anchor_keys: list[list[Any]] | None,
     group_ids: Tensor,
     *,
-    gamma: float = 0.95,
-    omega: float = 1.0,
-    norm: Norm = "mean_std_norm",
-    eps: float = 1e-6,
+    gamma: float = GAMMA,
+    omega: float = OMEGA,
+    norm: Norm = NORM,
+    eps: float = ADV_EPS,
 ) -> Tensor:
     """Token advantages Float[N, T] for a multi-turn Rollout (0 on env / padding tokens)."""
     fn = CREDIT[mode]

@@ -38,12 +38,14 @@ from torch import Tensor
 from grouprl.types import LossOutput
 
 if TYPE_CHECKING:  # only for annotations; losses.py imports this module
-    from grouprl.objectives.losses import _Batch
+    from grouprl.objectives.losses import SurrogateBatch
 
 PMD_TAU = 0.01
 TPO_ETA = 1.0
 TOKEN_LEVEL_ONLY = ("pmd", "tpo")  # define their own sequence log-ratio / log-prob
-GROUP_SURROGATES = ("tpo",)  # reduce over whole groups themselves: policy_loss skips aggregate()
+# Losses over whole groups: policy_loss skips aggregate() for them, and a micro-batch split must
+# keep every group whole (a split group would be renormalised over the wrong candidates).
+GROUP_SURROGATES = ("tpo",)
 
 
 def _row_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -147,19 +149,19 @@ def tpo_loss(
 # "tpo" -> tpo_surrogate (its own reduction; dispatched by policy_loss, see losses.py).
 
 
-def pmd_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def pmd_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     return pmd_token_loss(b.logp, b.old_logp, b.adv, b.mask, b.pmd_tau), {}  # [n, T]
 
 
-def tpo_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def tpo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     out = tpo_loss(
         b.logp, b.old_logp, b.adv, b.mask, b.group_ids, eta=b.tpo_eta, num_groups=b.num_groups
     )
     return out.loss, out.metrics  # scalar
 
 
-def check_group_options(b: _Batch, ratio_level: str) -> None:
-    """The combinations PMD / TPO cannot honour fail here (called by losses._check_options)."""
+def check_group_options(b: SurrogateBatch, ratio_level: str) -> None:
+    """The combinations PMD / TPO cannot honour fail here (called by policy_loss's option checks)."""
     if b.surrogate in TOKEN_LEVEL_ONLY and ratio_level != "token":
         raise ValueError(
             f"surrogate {b.surrogate!r} defines its own sequence-level quantity from the token "

@@ -46,6 +46,9 @@ to splitting a batch into micro-batches (true of the reference implementation as
 seq_weights (Float[n], optional): per-row loss weights passed to aggregate() (delta_l needs them); at
 ratio_level "geometric" they multiply each sequence's term.
 
+Inputs: policy_loss checks shapes and option values, zeroes the padding and builds one
+SurrogateBatch, the record every ratio level and surrogate reads (group_losses.py's too).
+
 Metrics (floats over valid slots; 0 when there are none): clip_frac_low (A < 0 and rho < 1-eps_low),
 clip_frac_high (A > 0 and rho > 1+eps_high), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
 (of the ratio the surrogate uses: per slot; for geometric per non-empty sequence, R_i), approx_kl =
@@ -54,26 +57,20 @@ mean k3 estimate of KL(old || new) from the token log-ratios: (rho - 1) - log rh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from grouprl.objectives.aggregation import aggregate, local_counts, safe_count
+from grouprl.objectives.aggregation import aggregate, local_counts, masked_mean, safe_count
 from grouprl.objectives.group_losses import (
     GROUP_SURROGATES,
     PMD_TAU,
     TPO_ETA,
+    check_group_options,
     pmd_surrogate,
     tpo_surrogate,
-)
-from grouprl.objectives.loss_checks import (
-    _Batch,
-    _check_option_values,
-    _check_shapes,
-    _clip_flags,
-    _masked_mean,
-    _ratio_metrics,
 )
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
@@ -81,13 +78,118 @@ from grouprl.types import LossOutput
 LOG_RATIO_CLAMP = 20.0
 SURROGATES = Registry("surrogate")
 RATIO_LEVELS = Registry("ratio level")
+_DUAL_CLIP_SURROGATES = ("clip", "clip_cov")  # the surrogates built on the PPO clip
 
 
-def _token_log_ratio(b: _Batch) -> Tensor:
+# ---- the input record, its checks and the clip / ratio metrics ----------------------------------
+
+
+@dataclass(frozen=True)
+class SurrogateBatch:
+    """The input record of every ratio level and surrogate (also group_losses.py's adapters):
+    tensors [n, T], advantages broadcast, padding zeroed by policy_loss, which builds it."""
+
+    logp: Tensor
+    old_logp: Tensor
+    adv: Tensor
+    mask: Tensor
+    token_weights: Tensor | None
+    surrogate: str
+    aggregation: str
+    counts: dict
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    kl_cov_coef: float
+    generator: torch.Generator | None
+    pmd_tau: float = PMD_TAU
+    tpo_eta: float = TPO_ETA
+    group_ids: Tensor | None = None
+    num_groups: int | float | Tensor | None = None
+    seq_weights: Tensor | None = None
+
+
+def _clip_flags(ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities)."""
+    low = b.mask & (b.adv < 0) & (ratio < 1 - b.eps_low)  # [n, T]
+    high = b.mask & (b.adv > 0) & (ratio > 1 + b.eps_high)  # [n, T]
+    c = b.dual_clip_c
+    dual = (
+        b.mask & (b.adv < 0) & (ratio > c) if c is not None else torch.zeros_like(b.mask)
+    )  # [n, T]
+    return low, high, dual
+
+
+def _ratio_metrics(ratio: Tensor, valid: Tensor) -> dict:
+    vals = ratio.detach()[valid]  # [K]
+    if vals.numel() == 0:
+        return {"ratio_mean": 0.0, "ratio_min": 0.0, "ratio_max": 0.0}
+    return {"ratio_mean": vals.mean(), "ratio_min": vals.min(), "ratio_max": vals.max()}
+
+
+def _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights) -> None:
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"logp, old_logp and mask must all be [n, T]; got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(
+            f"advantages must be [n] or [n, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+        )
+    if token_weights is not None and token_weights.shape != logp.shape:
+        raise ValueError(
+            f"token_weights must be [n, T] = {tuple(logp.shape)}, got {tuple(token_weights.shape)}"
+        )
+    if seq_weights is not None and seq_weights.shape != logp.shape[:1]:
+        raise ValueError(
+            f"seq_weights must be [n] = {tuple(logp.shape[:1])}, got {tuple(seq_weights.shape)}"
+        )
+
+
+def _check_option_values(b: SurrogateBatch, ratio_level: str) -> None:
+    """Option values and combinations policy_loss cannot honour (unknown option names fail in
+    _check_options, where the registries answer with hints)."""
+    if b.eps_low < 0 or b.eps_high < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {b.eps_low}, {b.eps_high}")
+    for name, value in (("clip_cov_ratio", b.clip_cov_ratio), ("kl_cov_ratio", b.kl_cov_ratio)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} is a fraction of the valid tokens, in (0, 1]; got {value}")
+    check_group_options(b, ratio_level)
+    if ratio_level == "geometric" and b.surrogate != "clip":
+        raise ValueError(
+            "ratio_level 'geometric' (GMPO) has its own log-space clip; use surrogate 'clip', "
+            f"not {b.surrogate!r}"
+        )
+    if b.dual_clip_c is None:
+        return
+    if not b.dual_clip_c > 1:
+        raise ValueError(
+            f"dual_clip_c must be > 1 (it bounds -A*rho for A < 0), got {b.dual_clip_c}"
+        )
+    if b.surrogate not in _DUAL_CLIP_SURROGATES or ratio_level == "geometric":
+        raise ValueError(
+            f"dual_clip_c applies to the PPO-clip surrogates {_DUAL_CLIP_SURROGATES} at token or "
+            f"sequence level, not surrogate {b.surrogate!r} with ratio_level {ratio_level!r}"
+        )
+
+
+# ---- log-ratios and surrogates -----------------------------------------------------------------
+
+
+def _token_log_ratio(b: SurrogateBatch) -> Tensor:
     return (b.logp - b.old_logp).masked_fill(~b.mask, 0.0)  # [n, T]
 
 
-def _sequence_log_ratio(b: _Batch) -> Tensor:
+def _sequence_log_ratio(b: SurrogateBatch) -> Tensor:
     delta = _token_log_ratio(b)  # [n, T]
     log_s = delta.sum(-1, keepdim=True) / b.mask.sum(-1, keepdim=True).clamp(min=1)  # [n, 1]
     # The parentheses matter: (sg(log s_i) + logp) - sg(logp) rounds differently per token (a few
@@ -100,7 +202,7 @@ def _exp_ratio(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [n, T]
 
 
-def _ppo_clip(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor]:
+def _ppo_clip(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, Tensor]:
     """PPO clip loss [n, T] and the bool [n, T] of slots PPO clips. Written with `where` on the
     strict clip conditions: same value as the max() form, and rho exactly at 1 +- eps keeps its
     gradient (the max() form would depend on how autograd splits ties)."""
@@ -114,38 +216,38 @@ def _ppo_clip(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor]:
     return loss, clipped
 
 
-def _covariance(b: _Batch) -> Tensor:
+def _covariance(b: SurrogateBatch) -> Tensor:
     """(A - mean A)(logp - mean logp) over the valid slots of this call, detached; [n, T]."""
     adv, logp = b.adv.detach(), b.logp.detach()  # [n, T]
-    cov = (adv - _masked_mean(adv, b.mask)) * (logp - _masked_mean(logp, b.mask))  # [n, T]
+    cov = (adv - masked_mean(adv, b.mask)) * (logp - masked_mean(logp, b.mask))  # [n, T]
     return cov.masked_fill(~b.mask, float("-inf"))  # [n, T] invalid slots never selected
 
 
 @SURROGATES.register("clip")
-def clip_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def clip_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     return _ppo_clip(log_ratio, b)[0], {}
 
 
 @SURROGATES.register("cispo")
-def cispo_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def cispo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     weight = _exp_ratio(log_ratio).detach().clamp(1 - b.eps_low, 1 + b.eps_high)  # [n, T]
     return -weight * b.adv * b.logp, {}  # [n, T]
 
 
 @SURROGATES.register("sapo")
-def sapo_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def sapo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     ratio = _exp_ratio(log_ratio)  # [n, T]
     tau = torch.where(b.adv > 0, b.sapo_tau_pos, b.sapo_tau_neg).to(ratio.dtype)  # [n, T]
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * b.adv, {}  # [n, T]
 
 
 @SURROGATES.register("reinforce")
-def reinforce_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def reinforce_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     return -b.adv * b.logp, {}  # [n, T]
 
 
 @SURROGATES.register("clip_cov")
-def clip_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def clip_cov_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     loss, clipped = _ppo_clip(log_ratio, b)  # [n, T] each
     cov = _covariance(b)  # [n, T]
     eligible = b.mask & ~clipped & (cov > b.clip_cov_lb) & (cov < b.clip_cov_ub)  # [n, T]
@@ -157,11 +259,11 @@ def clip_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
     chosen[candidates[perm[:n_pick].to(candidates.device)]] = True
     chosen = chosen.view_as(b.mask)  # [n, T]
     loss = torch.where(chosen, loss.detach(), loss)  # [n, T] value kept, gradient dropped
-    return loss, {"clip_cov_frac": _masked_mean(chosen.float(), b.mask)}
+    return loss, {"clip_cov_frac": masked_mean(chosen.float(), b.mask)}
 
 
 @SURROGATES.register("kl_cov")
-def kl_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
+def kl_cov_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     loss = -b.adv * _exp_ratio(log_ratio)  # [n, T]
     n_valid = int(b.mask.sum())
     chosen = torch.zeros_like(b.mask)  # [n, T]
@@ -170,14 +272,14 @@ def kl_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
         top = _covariance(b).flatten().topk(k).indices  # [k]; -inf padding ranks last
         chosen.view(-1)[top] = True
         loss = loss + b.kl_cov_coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
-    return loss, {"kl_cov_frac": _masked_mean(chosen.float(), b.mask)}
+    return loss, {"kl_cov_frac": masked_mean(chosen.float(), b.mask)}
 
 
 SURROGATES.register("pmd")(pmd_surrogate)
 SURROGATES.register("tpo")(tpo_surrogate)
 
 
-def _tokenwise(log_ratio_fn, b: _Batch) -> tuple[Tensor, dict]:
+def _tokenwise(log_ratio_fn, b: SurrogateBatch) -> tuple[Tensor, dict]:
     """token and sequence levels: per-slot surrogate, token weights, configured aggregation."""
     log_ratio = log_ratio_fn(b)  # [n, T]
     loss_mat, extra = SURROGATES[b.surrogate](log_ratio, b)  # [n, T]
@@ -187,9 +289,9 @@ def _tokenwise(log_ratio_fn, b: _Batch) -> tuple[Tensor, dict]:
     ratio = _exp_ratio(log_ratio.detach())  # [n, T]
     low, high, dual = _clip_flags(ratio, b)  # [n, T] each
     metrics = {
-        "clip_frac_low": _masked_mean(low.float(), b.mask),
-        "clip_frac_high": _masked_mean(high.float(), b.mask),
-        "dual_clip_frac": _masked_mean(dual.float(), b.mask),
+        "clip_frac_low": masked_mean(low.float(), b.mask),
+        "clip_frac_high": masked_mean(high.float(), b.mask),
+        "dual_clip_frac": masked_mean(dual.float(), b.mask),
         **_ratio_metrics(ratio, b.mask),
         **extra,
     }
@@ -201,7 +303,7 @@ RATIO_LEVELS.register("sequence")(partial(_tokenwise, _sequence_log_ratio))
 
 
 @RATIO_LEVELS.register("geometric")
-def _geometric(b: _Batch) -> tuple[Tensor, dict]:
+def _geometric(b: SurrogateBatch) -> tuple[Tensor, dict]:
     """GMPO, METHODS section 14 (aggregation ignored, see module docstring)."""
     delta = _token_log_ratio(b).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
     high = b.mask & (b.adv > 0) & (delta > b.eps_high)  # [n, T] upper clip, A > 0 only
@@ -222,15 +324,15 @@ def _geometric(b: _Batch) -> tuple[Tensor, dict]:
     num_seqs = local_counts(b.mask)[1] if num_seqs is None else num_seqs
     loss = per_seq.sum() / safe_count(num_seqs)  # scalar
     metrics = {
-        "clip_frac_low": _masked_mean(low.float(), b.mask),
-        "clip_frac_high": _masked_mean(high.float(), b.mask),
+        "clip_frac_low": masked_mean(low.float(), b.mask),
+        "clip_frac_high": masked_mean(high.float(), b.mask),
         "dual_clip_frac": 0.0,
         **_ratio_metrics(seq_ratio, b.mask.any(-1)),
     }
     return loss, metrics
 
 
-def _group_level(b: _Batch) -> tuple[Tensor, dict]:
+def _group_level(b: SurrogateBatch) -> tuple[Tensor, dict]:
     """Surrogates with their own reduction over groups (TPO): no aggregate(), no clip."""
     loss, metrics = SURROGATES[b.surrogate](_token_log_ratio(b), b)  # scalar
     ratio = _exp_ratio(_token_log_ratio(b).detach())  # [n, T] monitored only
@@ -238,7 +340,7 @@ def _group_level(b: _Batch) -> tuple[Tensor, dict]:
     return loss, {**zero, **_ratio_metrics(ratio, b.mask), **metrics}
 
 
-def _check_options(b: _Batch, ratio_level: str) -> None:
+def _check_options(b: SurrogateBatch, ratio_level: str) -> None:
     _ = SURROGATES[b.surrogate], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
     _check_option_values(b, ratio_level)
 
@@ -283,7 +385,7 @@ def policy_loss(
     # zero gradient by a non-finite padded value (0 * NaN = NaN in backward).
     pad = ~mask  # [n, T]
     weights = None if token_weights is None else token_weights.detach().masked_fill(pad, 0.0)
-    b = _Batch(
+    b = SurrogateBatch(
         logp=logp.masked_fill(pad, 0.0), old_logp=old_logp.detach().masked_fill(pad, 0.0),
         adv=adv.masked_fill(pad, 0.0), mask=mask, token_weights=weights,
         surrogate=surrogate, aggregation=aggregation,
@@ -299,6 +401,6 @@ def policy_loss(
     level = _group_level if surrogate in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
     loss, metrics = level(b)
     log_rho = _token_log_ratio(b).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
-    metrics["approx_kl"] = _masked_mean(log_rho.exp() - 1 - log_rho, mask)  # k3 of KL(old || new)
+    metrics["approx_kl"] = masked_mean(log_rho.exp() - 1 - log_rho, mask)  # k3 of KL(old || new)
     metrics["pg_loss"] = loss.detach()
     return LossOutput(loss=loss, metrics={k: float(v) for k, v in metrics.items()})

@@ -19,7 +19,8 @@ Choices:
 - No silent fallbacks: a configured engine correction without engine log-probs, a KL in the loss
   without reference log-probs, an entropy mask or bonus without entropies, or an entropy bonus on a
   non-differentiable entropy all raise.
-- A policy may replace the token KL estimators (flow models: Gaussian mean-space KL) via `kl_out`.
+- A policy may replace the token KL estimators (flow models: Gaussian mean-space KL) via `kl_out`;
+  `kl_loss_term` is the KL term alone, for a loss that composes its own policy term (GRPO-Guard).
 - pg_coef (default 1.0; 0 = entropy-only training, arXiv 2504.20571, METHODS section 12) scales the
   policy term only. `pg_loss` is logged before the coefficient, `loss` after.
 - token_scales [n, T] (detached; lambda-GRPO scales x EGSW weights, token_scales.py) multiply the
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.objectives.aggregation import aggregate, local_counts
+from grouprl.objectives.aggregation import AGG_COUNTS, aggregate, local_counts, masked_mean
 from grouprl.objectives.correction import engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask
 from grouprl.objectives.group_losses import PMD_TAU, TPO_ETA
@@ -52,9 +53,6 @@ from grouprl.objectives.losses import policy_loss
 from grouprl.types import LossOutput, PolicyOutput
 
 _KL_MODES = ("loss", "reward")
-
-
-_AGG_COUNTS = ("num_tokens", "num_seqs", "max_len")  # the counts aggregate() takes
 
 
 def count_tokens(
@@ -82,8 +80,8 @@ def count_tokens(
     return counts
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> float:
-    return float(x.detach().masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1))
+def _metric(x: Tensor, mask: Tensor) -> float:
+    return float(masked_mean(x.detach(), mask))  # a logged mean over the valid slots
 
 
 def _token_weights(policy_out, old_logp, mask, algo, engine_logp, token_scales, metrics) -> Tensor:
@@ -105,7 +103,7 @@ def _token_weights(policy_out, old_logp, mask, algo, engine_logp, token_scales, 
             )
         keep = high_entropy_mask(policy_out.entropy, mask, algo.top_entropy_quantile)  # [n, T]
         weights = weights * keep  # [n, T]
-        metrics["entropy_mask_frac"] = _masked_mean(keep.float(), mask)
+        metrics["entropy_mask_frac"] = _metric(keep.float(), mask)
     if token_scales is not None:
         if token_scales.shape != mask.shape:
             raise ValueError(
@@ -113,16 +111,45 @@ def _token_weights(policy_out, old_logp, mask, algo, engine_logp, token_scales, 
             )
         scales = token_scales.detach().to(weights.dtype).masked_fill(~mask, 0.0)  # [n, T]
         weights = weights * scales  # [n, T]
-        metrics["token_scale_mean"] = _masked_mean(scales, mask)
+        metrics["token_scale_mean"] = _metric(scales, mask)
     return weights.to(policy_out.logp.dtype)  # [n, T]
 
 
-def _kl_term(logp, old_logp, mask, algo, counts, ref_logp, kl_out, metrics) -> Tensor | None:
-    """coef * aggregated KL (scalar) when the KL is a loss term, else None; logs the KL either way.
-    kl_weighting "importance": the per-token KL times the ratio pi_theta / pi_old (kl.py)."""
+def _kl_in_loss(algo: Any) -> bool:
+    """True when the KL is a loss term (kl_mode "loss" and kl_coef > 0); checks kl_mode."""
     if algo.kl_mode not in _KL_MODES:
         raise ValueError(f"kl_mode must be one of {_KL_MODES}, got {algo.kl_mode!r}")
-    in_loss = algo.kl_mode == "loss" and algo.kl_coef > 0
+    return algo.kl_mode == "loss" and algo.kl_coef > 0
+
+
+def kl_loss_term(
+    kl: Tensor, mask: Tensor, algo: Any, counts: dict, seq_weights: Tensor | None = None
+) -> tuple[Tensor | None, dict[str, float]]:
+    """The KL term of the loss from a per-token KL [n, T] over mask Bool[n, T], whichever KL it is
+    (a token estimator's, or a policy's own such as the flow models' mean-space Gaussian KL).
+
+    Returns (kl_coef * aggregate(kl) with the configured aggregation and the step's global counts,
+    or None when the KL is not a loss term) and the metrics: `kl` (the mean over the valid slots,
+    always) and `kl_loss` (the term, when there is one). counts: the step's counts (keys other than
+    AGG_COUNTS are ignored); seq_weights [n]: passed to aggregate() (delta_l needs them)."""
+    in_loss = _kl_in_loss(algo)
+    metrics = {"kl": _metric(kl, mask)}
+    if not in_loss:
+        return None, metrics
+    agg_counts = {k: v for k, v in counts.items() if k in AGG_COUNTS}
+    term = algo.kl_coef * aggregate(  # scalar
+        kl, mask, algo.aggregation, **agg_counts, seq_weights=seq_weights
+    )
+    metrics["kl_loss"] = float(term.detach())
+    return term, metrics
+
+
+def _kl_term(
+    logp, old_logp, mask, algo, counts, ref_logp, kl_out, metrics, seq_weights
+) -> Tensor | None:
+    """coef * aggregated KL (scalar) when the KL is a loss term, else None; logs the KL either way.
+    kl_weighting "importance": the per-token KL times the ratio pi_theta / pi_old (kl.py)."""
+    in_loss = _kl_in_loss(algo)
     weighting = getattr(algo, "kl_weighting", "none")
     if weighting not in ("none", "importance"):
         raise ValueError(f"kl_weighting must be 'none' or 'importance', got {weighting!r}")
@@ -146,18 +173,15 @@ def _kl_term(logp, old_logp, mask, algo, counts, ref_logp, kl_out, metrics) -> T
         raise ValueError(f"KL must be [n, T] = {tuple(mask.shape)}, got {tuple(kl.shape)}")
     if weighting == "importance":
         kl = importance_weighted_kl(kl, logp, old_logp, mask, algo.ratio_level)  # [n, T]
-    metrics["kl"] = _masked_mean(kl, mask)
-    if not in_loss:
-        return None
-    term = algo.kl_coef * aggregate(kl, mask, algo.aggregation, **counts)  # scalar
-    metrics["kl_loss"] = float(term.detach())
+    term, kl_metrics = kl_loss_term(kl, mask, algo, counts, seq_weights)
+    metrics.update(kl_metrics)
     return term
 
 
 def _entropy_term(entropy, logp, mask, algo, counts, metrics) -> Tensor | None:
     """-coef * aggregated entropy (scalar) when entropy_coef != 0, else None."""
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy, mask)
+        metrics["entropy"] = _metric(entropy, mask)
     if algo.entropy_coef == 0:
         return None
     if entropy is None:
@@ -204,7 +228,7 @@ def total_loss(
     weights = _token_weights(
         policy_out, old_logp, mask, algo, engine_logp, token_scales, metrics
     )  # [n, T]
-    agg_counts = {k: v for k, v in counts.items() if k in _AGG_COUNTS}
+    agg_counts = {k: v for k, v in counts.items() if k in AGG_COUNTS}
     unit = None if seq_weights is None else torch.ones_like(seq_weights)  # [n] for KL / entropy
     pg = policy_loss(
         logp, old_logp, advantages, mask,
@@ -220,10 +244,11 @@ def total_loss(
     )  # fmt: skip
     metrics.update(pg.metrics)
     loss = getattr(algo, "pg_coef", 1.0) * pg.loss  # scalar
-    agg_counts = {**agg_counts, "seq_weights": unit}
     for term in (
-        _kl_term(logp, old_logp, mask, algo, agg_counts, ref_logp, kl_out, metrics),
-        _entropy_term(policy_out.entropy, logp, mask, algo, agg_counts, metrics),
+        _kl_term(logp, old_logp, mask, algo, agg_counts, ref_logp, kl_out, metrics, unit),
+        _entropy_term(
+            policy_out.entropy, logp, mask, algo, {**agg_counts, "seq_weights": unit}, metrics
+        ),
     ):
         if term is not None:
             loss = loss + term  # scalar

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives import LIKELIHOOD_FREE, compute_advantages, total_loss
-from grouprl.objectives.aggregation import aggregate
+from grouprl.objectives.aggregation import AGG_COUNTS, aggregate
 from grouprl.objectives.flow.guard import guard_step_loss
 from grouprl.objectives.flow.support import (
     EMA_DECAYS,
@@ -47,17 +47,15 @@ from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout
 
-_AGG_COUNTS = ("num_tokens", "num_seqs", "max_len")
-
 
 def _score(scorer: Any, batch: Any, chunk: int | None) -> PolicyOutput:
     """No-grad log_probs of the whole batch, in row chunks of `chunk` (None: one call)."""
     n = len(batch)
     if chunk is None or chunk >= n:
         return scorer.log_probs(batch)
-    from grouprl.types import _index
+    from grouprl.types import select_rows
 
-    parts = [scorer.log_probs(_index(batch, torch.arange(i, min(i + chunk, n)), n))
+    parts = [scorer.log_probs(select_rows(batch, torch.arange(i, min(i + chunk, n)), n))
              for i in range(0, n, chunk)]  # fmt: skip
     return PolicyOutput(
         logp=torch.cat([p.logp for p in parts]),
@@ -161,7 +159,7 @@ def _guard_loss(cfg, policy, sub, out, old, kl_out, counts, single_pass) -> Loss
     if kl_out is not None:
         metrics["kl"] = float(kl_out.detach()[mask].mean()) if bool(mask.any()) else 0.0
         if a.kl_mode == "loss" and a.kl_coef > 0:
-            agg = {k: v for k, v in counts.items() if k in _AGG_COUNTS}
+            agg = {k: v for k, v in counts.items() if k in AGG_COUNTS}
             term = a.kl_coef * aggregate(kl_out, mask, a.aggregation, **agg)  # scalar
             metrics["kl_loss"] = float(term.detach())
             loss = loss + term

@@ -52,13 +52,10 @@ from grouprl.envs.tools.schemas import (
 )
 from grouprl.envs.vector import VectorRunner
 from grouprl.policies.text.engines.base import SamplingParams
-from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
-    _delta_pieces,
-    _render,
+from grouprl.rollouts.chat_delta import (
     first_messages,
     messages_delta_ids,
     observation_delta_ids,
-    observation_delta_text,
     prompt_ids,
 )
 from grouprl.rollouts.episode_record import Episode, assemble

@@ -21,7 +21,7 @@ RewardFailure (naming the reward and the sample) instead. Isolation modes (optio
 
 Deviation from calling the function on the whole batch (score_completions): batching is given up
 for isolation, so wrap only rewards that may hang or crash, not a fast batched reward model.
-The arguments of one call are the batch columns sliced to that sample (`loading._row`).
+The arguments of one call are the batch columns sliced to that sample (`loading.sample_kwargs`).
 `drain_reward_metrics(reward_fns)` collects `pop_metrics()` of every reward that has one. Config:
 rewards[i].timeout_s / isolation / workers (`isolation_settings` reads them).
 """
@@ -39,7 +39,12 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from grouprl.envs.rewards.loading import RewardFn, _check_values, _row, keywords_for
+from grouprl.envs.rewards.loading import (
+    RewardFn,
+    check_reward_values,
+    keywords_for,
+    sample_kwargs,
+)
 from grouprl.runtime.process_tree import become_subreaper, kill_tree
 
 _log = logging.getLogger(__name__)
@@ -142,12 +147,12 @@ class IsolatedReward:
         n = len(completions)
         # keyword calls (the protocol of loading.py): TRL's f(prompts, completions, **kw) works too
         calls = [((), keywords_for(self.fn, {"completions": list(completions[i : i + 1]),
-                                              **_row(columns, i, n)})) for i in range(n)]  # fmt: skip
+                                              **sample_kwargs(columns, i, n)})) for i in range(n)]  # fmt: skip
         outcomes = ISOLATIONS[self.isolation](self, calls)
         values: list[float | None] = []
         for i, (status, payload) in enumerate(outcomes):
             if status == "ok":  # a contract violation (wrong length, inf) is a bug: it raises
-                values += _check_values(self.name, payload, 1, offset=i)
+                values += check_reward_values(self.name, payload, 1, offset=i)
                 continue
             what = f"timed out after {self.timeout_s:g} s" if status == "timeout" else payload
             if self.first_error is None:  # quoted by the trainer's all-samples-failed warning

@@ -13,7 +13,6 @@ environment's tokens are masked out), so both:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,9 @@ from torch import Tensor
 
 from grouprl.objectives import compute_advantages, sequence_kl, total_loss
 from grouprl.objectives.aggregation import delta_l_weights
-from grouprl.objectives.group_stats import batch_std
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
 from grouprl.rollouts.batching import recompute_old
-from grouprl.rollouts.filters import combined_reward
+from grouprl.rollouts.reward_metrics import reward_metrics
 from grouprl.types import LossOutput, Rollout
 
 # rollout -> per-token advantages [N, T] (agents: per-turn credit); None: group advantages [N]
@@ -77,13 +75,7 @@ def prepare(
     if a.aggregation == "delta_l":
         rollout.seq_weights = delta_l_weights(lengths, a.delta_l_alpha)  # [N]
 
-    total = combined_reward(rollout.rewards, weights)  # [N]
-    metrics = {
-        "reward/mean": float(torch.nanmean(total)),
-        "reward/std": float(batch_std(total, ~total.isnan())),
-    }
-    for k, v in rollout.rewards.items():
-        metrics[f"reward/{k}"] = float(torch.nanmean(v)) if (~v.isnan()).any() else math.nan
+    metrics = reward_metrics(rollout.rewards, weights)
     metrics.update({"response_length/mean": float(lengths.mean()),
                     "response_length/max": float(lengths.max()),
                     "truncated_frac": float(batch.truncated.float().mean())})  # fmt: skip

@@ -39,6 +39,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from grouprl.envs.rewards.code_harness import CodeTests, judge, normalize_tests, program
@@ -89,6 +90,23 @@ def _all_pass(passed: int, total: int) -> float:
 
 CodeScore = Literal["fraction", "all"]
 SCORES: dict[str, Callable[[int, int], float]] = {"fraction": _fraction, "all": _all_pass}
+
+
+@dataclass(frozen=True)
+class CodeRewardDefaults:
+    """The defaults of the code reward's options, declared once: `code_reward` and the code task
+    (envs/tasks/code.py, which passes them through) both read them from `CODE_REWARD_DEFAULTS`."""
+
+    mode: CodeScore = "fraction"
+    timeout_s: float = 5.0
+    memory_mb: int = 256
+    workers: int = 4
+    code_from: CodeFrom = "block_or_raw"
+    isolation: Isolation = "auto"
+
+
+CODE_REWARD_DEFAULTS = CodeRewardDefaults()
+_D = CODE_REWARD_DEFAULTS
 
 
 class CodeReward:
@@ -156,12 +174,12 @@ class CodeReward:
 
 
 def code_reward(
-    mode: CodeScore = "fraction",
-    timeout_s: float = 5.0,
-    memory_mb: int = 256,
-    workers: int = 4,
-    code_from: CodeFrom = "block_or_raw",
-    isolation: Isolation = "auto",
+    mode: CodeScore = _D.mode,
+    timeout_s: float = _D.timeout_s,
+    memory_mb: int = _D.memory_mb,
+    workers: int = _D.workers,
+    code_from: CodeFrom = _D.code_from,
+    isolation: Isolation = _D.isolation,
     tests_column: str = "tests",
     setup_column: str | None = "setup_code",
 ) -> CodeReward:

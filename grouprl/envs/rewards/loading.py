@@ -259,8 +259,9 @@ def _batched_kwargs(examples: Sequence[Mapping[str, Any]], extra: Mapping[str, A
     return kwargs
 
 
-def _row(kwargs: Mapping[str, Any], i: int, n: int) -> dict:
-    """Sample i's slice of the kwargs: lists/tuples/tensors of length n are per-sample, rest shared."""
+def sample_kwargs(kwargs: Mapping[str, Any], i: int, n: int) -> dict:
+    """Sample i's slice of a batch's reward kwargs, to call a reward function on one sample:
+    lists / tuples / tensors of length n are per-sample (sliced to [i : i + 1]), the rest shared."""
     out = {}
     for k, v in kwargs.items():
         per_sample = isinstance(v, list | tuple) or (isinstance(v, Tensor) and v.dim() > 0)
@@ -268,8 +269,9 @@ def _row(kwargs: Mapping[str, Any], i: int, n: int) -> dict:
     return out
 
 
-def _check_values(name: str, values: Any, n: int, offset: int = 0) -> list[float | None]:
-    """Values as floats/None; a wrong length or a non-finite / non-number value is an error."""
+def check_reward_values(name: str, values: Any, n: int, offset: int = 0) -> list[float | None]:
+    """What reward function `name` returned for n samples, as floats / None (no reward); a wrong
+    length or a non-finite / non-number value is an error naming sample `offset + j`."""
     if isinstance(values, Tensor):
         values = values.tolist()
     if not isinstance(values, list | tuple):
@@ -335,7 +337,7 @@ def score_completions(
             if first is not None and first_errors is not None:
                 first_errors.setdefault(name, first)
         else:
-            values = _check_values(name, raw, n)  # a contract violation raises: it is a bug
+            values = check_reward_values(name, raw, n)  # a contract violation raises: it is a bug
         rewards[name] = torch.tensor(  # [N]
             [math.nan if v is None else v for v in values], dtype=torch.float32
         )
@@ -367,7 +369,7 @@ def _retry_each(
     failed, first = 0, None
     for i in range(n):
         try:
-            raw = _call(fn, items_name, completions[i : i + 1], _row(kwargs, i, n))
+            raw = _call(fn, items_name, completions[i : i + 1], sample_kwargs(kwargs, i, n))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
@@ -377,7 +379,7 @@ def _retry_each(
             failed += 1
             first = first or f"sample {i}: {error_line(exc)}"
         else:
-            values += _check_values(name, raw, 1, offset=i)
+            values += check_reward_values(name, raw, 1, offset=i)
     if fail_fast and failed == 0:
         # Every sample passes alone, so the batch itself is the problem: report that.
         _reraise(

@@ -90,7 +90,11 @@ def why_unavailable() -> str:
     )
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot, field 22 of /proc/PID/stat) as
+    text, None when there is no such process. With the pid it names one process for good: a reused
+    pid has another start time, so "pid-start" tags of cgroups and directories never match a
+    stranger."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[19]
@@ -129,7 +133,7 @@ def _ensure_v2_base(root: str) -> str:
 def create(memory_bytes: int, tasks: int, cpus: float) -> dict:
     """A fresh cgroup for one call, limits set; the dict is what keeper.kill_cgroup takes."""
     h = hierarchies()
-    name = f"{os.getpid()}-{_start_time(os.getpid())}-{next(_counter)}"
+    name = f"{os.getpid()}-{process_start_time(os.getpid())}-{next(_counter)}"
     period = 100_000
     quota = max(1000, int(cpus * period))
     if h.v2:
@@ -190,7 +194,7 @@ def reap_stale() -> list[str]:
             parts = name.split("-")
             if len(parts) != 3 or not parts[0].isdigit():
                 continue
-            if _start_time(int(parts[0])) == parts[1]:
+            if process_start_time(int(parts[0])) == parts[1]:
                 continue  # the owner lives (its keeper cleans up)
             dirs = [os.path.join(b, name) for b in _base_dirs()]
             h = hierarchies()

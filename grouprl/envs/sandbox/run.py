@@ -170,7 +170,7 @@ def _claim_uid() -> tuple[int, int]:
 
 
 def _owner_tag() -> str:
-    return f"{os.getpid()}-{cgroups._start_time(os.getpid())}"
+    return f"{os.getpid()}-{cgroups.process_start_time(os.getpid())}"
 
 
 def _reap_stale_dirs() -> None:
@@ -181,7 +181,7 @@ def _reap_stale_dirs() -> None:
             continue
         parts = name[len(TRUSTED_PREFIX) :].split("-")
         if len(parts) >= 2 and parts[0].isdigit():
-            if cgroups._start_time(int(parts[0])) != parts[1]:
+            if cgroups.process_start_time(int(parts[0])) != parts[1]:
                 try:
                     remove_tree(os.path.join(tmp, name))
                 except OSError:

@@ -8,7 +8,7 @@ is handed to the reward functions, repeated once per completion.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from string import Formatter
 from typing import Any
@@ -108,3 +108,22 @@ def hold_out(examples: list[dict], eval_fraction: float, seed: int) -> tuple[lis
             f"eval_fraction={eval_fraction} leaves no training rows of {len(examples)}"
         )
     return examples[n_eval:], examples[:n_eval]
+
+
+def train_and_eval(
+    load: Callable[[Any, str | None, str | None], list[dict]],
+    source: Any, config: str | None, split: str | None,
+    eval_source: Any, eval_config: str | None, eval_split: str | None,
+    eval_fraction: float, seed: int,
+) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """(train, eval) examples of a dataset task; load(source, config, split) -> examples.
+
+    Train: `split` of `source`. Eval, the first that applies: `eval_split` of `eval_source` (with
+    `eval_config`); `eval_split` of `source`; else `hold_out(train, eval_fraction, seed)`.
+    """
+    train = load(source, config, split)
+    if eval_source is not None:
+        return train, load(eval_source, eval_config, eval_split)
+    if eval_split is not None:
+        return train, load(source, config, eval_split)
+    return hold_out(train, eval_fraction, seed)

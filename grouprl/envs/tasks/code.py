@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grouprl.envs.rewards.code import CodeFrom, CodeScore, code_reward
+from grouprl.envs.rewards.code import CODE_REWARD_DEFAULTS, CodeFrom, CodeScore, code_reward
 from grouprl.envs.rewards.code_harness import CodeTests, normalize_tests
 from grouprl.envs.sandbox import Isolation
 from grouprl.envs.tasks.base import TaskData, check_split_options, check_template, hold_out
@@ -143,12 +143,12 @@ def build_code(
     seed: int = 0,
     max_train: int | None = None,
     max_eval: int | None = None,
-    mode: CodeScore = "fraction",
-    timeout_s: float = 5.0,
-    memory_mb: int = 256,
-    workers: int = 4,
-    code_from: CodeFrom = "block_or_raw",
-    isolation: Isolation = "auto",
+    mode: CodeScore = CODE_REWARD_DEFAULTS.mode,
+    timeout_s: float = CODE_REWARD_DEFAULTS.timeout_s,
+    memory_mb: int = CODE_REWARD_DEFAULTS.memory_mb,
+    workers: int = CODE_REWARD_DEFAULTS.workers,
+    code_from: CodeFrom = CODE_REWARD_DEFAULTS.code_from,
+    isolation: Isolation = CODE_REWARD_DEFAULTS.isolation,
 ) -> TaskData:
     """Code task; reward "code" = tests passed in the sandbox (grouprl.envs.rewards.code).
 
@@ -161,6 +161,7 @@ def build_code(
     eval_fraction:   hold out this fraction of the rows (shuffled with `seed`); 0 = no eval split
     max_train, max_eval: keep at most this many examples (None = all)
     mode, timeout_s, memory_mb, workers, code_from, isolation: options of the code reward
+                     (grouprl.envs.rewards.code.code_reward; same defaults)
     """
     check_split_options("code", seed, max_train, max_eval, eval_fraction)
     check_template("prompt_template", prompt_template, ("question", "example"), ("question",))

@@ -21,7 +21,7 @@ from grouprl.envs.tasks.base import (
     check_choice,
     check_split_options,
     check_template,
-    hold_out,
+    train_and_eval,
 )
 from grouprl.envs.tasks.records import READERS, describe, is_local, load_records, make_prompt
 
@@ -137,17 +137,15 @@ def build_math(
     check_split_options("math", seed, max_train, max_eval, eval_fraction, given)
     options = (question_column, answer_column, prompt_template, system_prompt, answer_format)
 
-    train = to_examples(load_records(source, config, split), source, *options)
-    evaluation: list[dict[str, Any]] = []
-    if eval_source is not None:
-        rows = load_records(
-            eval_source, eval_config, eval_split or _default_eval_split(eval_source)
-        )
-        evaluation = to_examples(rows, eval_source, *options)
-    elif eval_split is not None:
-        evaluation = to_examples(load_records(source, config, eval_split), source, *options)
-    else:
-        train, evaluation = hold_out(train, eval_fraction, seed)
+    if eval_source is not None and eval_split is None:
+        eval_split = _default_eval_split(eval_source)
+
+    def load(src: Any, cfg: str | None, part: str | None) -> list[dict]:
+        return to_examples(load_records(src, cfg, part), src, *options)
+
+    train, evaluation = train_and_eval(
+        load, source, config, split, eval_source, eval_config, eval_split, eval_fraction, seed
+    )
     return TaskData(
         train=train[:max_train],
         eval=evaluation[:max_eval],

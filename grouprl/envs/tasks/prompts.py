@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grouprl.envs.tasks.base import TaskData, check_split_options, check_template, hold_out
+from grouprl.envs.tasks.base import TaskData, check_split_options, check_template, train_and_eval
 from grouprl.envs.tasks.math import RESERVED_COLUMNS
 from grouprl.envs.tasks.records import describe, load_records, make_prompt
 
@@ -72,16 +72,11 @@ def build_prompts(
     given = eval_source is not None or eval_split is not None
     check_split_options("prompts", seed, max_train, max_eval, eval_fraction, given)
     options = (prompt_column, prompt_template, system_prompt)
-    train = to_examples(load_records(source, config, split, "prompts"), source, *options)
-    evaluation: list[dict[str, Any]] = []
-    if eval_source is not None:
-        evaluation = to_examples(
-            load_records(eval_source, None, eval_split, "prompts"), eval_source, *options
-        )
-    elif eval_split is not None:
-        evaluation = to_examples(
-            load_records(source, config, eval_split, "prompts"), source, *options
-        )
-    else:
-        train, evaluation = hold_out(train, eval_fraction, seed)
+
+    def load(src: Any, cfg: str | None, part: str | None) -> list[dict]:
+        return to_examples(load_records(src, cfg, part, "prompts"), src, *options)
+
+    train, evaluation = train_and_eval(
+        load, source, config, split, eval_source, None, eval_split, eval_fraction, seed
+    )
     return TaskData(train=train[:max_train], eval=evaluation[:max_eval], reward_fns={})

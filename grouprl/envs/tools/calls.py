@@ -1,6 +1,7 @@
 """The agent's text protocol: parse actions and tool calls out of assistant text.
 
-Describing and running tools (schemas, ToolSet, tool prompts) is policies/tools.py.
+Describing and running tools (schemas, ToolSet, tool prompts) is schemas.py; the tool-call
+formats of the model families (Hermes, Llama 3 JSON, Mistral) are formats.py.
 
 Two action formats (option strings, one parser each in `ACTION_FORMATS`):
   "action"     `<action>move left</action>`; raw = the text inside the tag, stripped. For this
@@ -63,6 +64,12 @@ def _fail(reason: str, error: str, raw: str | None = None) -> ParsedAction:
     return ParsedAction(ok=False, raw=raw, error=error, reason=reason)
 
 
+def json_error_call(raw: str, exc: Exception) -> ParsedAction:
+    """The failed call of a tool call whose text `raw` is not valid JSON (reason "json_error");
+    shared by every call format (formats.py)."""
+    return _fail("json_error", f"the tool call is not valid JSON: {_brief(exc)}", raw)
+
+
 def _first_tag(text: str, tag: str) -> str | None:
     """Content of the first <tag>...</tag>; an unclosed <tag> runs to the next <tag> or the end."""
     m = re.search(rf"<{tag}>(.*?)(?=</{tag}>|<{tag}>|\Z)", text, flags=re.DOTALL | re.IGNORECASE)
@@ -87,13 +94,13 @@ def _parse_tool_call(text: str) -> ParsedAction:
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # also: ints over 4300 digits, absurd nesting
-        return _fail("json_error", f"the tool call is not valid JSON: {_brief(e)}", raw)
+        return json_error_call(raw, e)
     return check_call_object(obj, raw)
 
 
 def check_call_object(obj: Any, raw: str, call_id: str | None = None) -> ParsedAction:
     """One decoded JSON tool call {"name": ..., "arguments": ...} checked (the rules of the
-    module docstring); shared by every call format (policies/tool_formats.py)."""
+    module docstring); shared by every call format (formats.py)."""
     if not isinstance(obj, dict):
         return _fail(
             "not_object", f"the tool call must be a JSON object, got {type(obj).__name__}", raw
@@ -174,18 +181,3 @@ class ParseStats:
         }
         out.update({f"{prefix}/fail/{k}": float(v) for k, v in sorted(self.failures.items())})
         return out
-
-
-# Tool schemas, ToolSet and the tool prompt live in policies/tools.py, which builds on the parsing
-# above; they stay importable from here, resolved on first use (importing them here is circular).
-_TOOL_NAMES = frozenset(
-    {"ToolResult", "ToolSet", "template_supports_tools", "tool_schema", "tools_system_prompt"}
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TOOL_NAMES:
-        from grouprl.envs.tools import schemas as tools
-
-        return getattr(tools, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,9 +26,10 @@ from typing import Any, Literal
 
 from grouprl.envs.tools.calls import (
     ParsedAction,
-    _parse_tool_call,
     check_call_object,
     format_tool_call,
+    json_error_call,
+    parse_action,
 )
 
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
@@ -41,7 +42,7 @@ _HERMES_BLOCK = re.compile(
 def _parse_hermes(text: str) -> list[ParsedAction]:
     """Every <tool_call> block in order; an unclosed last block runs to the end of the text."""
     return [
-        _parse_tool_call(f"<tool_call>{m.group(1)}</tool_call>")
+        parse_action(f"<tool_call>{m.group(1)}</tool_call>", "tool_call")
         for m in _HERMES_BLOCK.finditer(text)
     ]
 
@@ -52,13 +53,6 @@ def _call_from_object(obj: Any, raw: str, args_key: str) -> ParsedAction:
         obj = {**obj, "arguments": obj[args_key]}
     cid = obj.get("id") if isinstance(obj, dict) else None
     return check_call_object(obj, raw, cid if isinstance(cid, str) else None)
-
-
-def _json_error(raw: str, exc: Exception) -> ParsedAction:
-    brief = str(exc)[:200] if not isinstance(exc, RecursionError) else "nested too deeply"
-    return ParsedAction(
-        ok=False, raw=raw, reason="json_error", error=f"the tool call is not valid JSON: {brief}"
-    )
 
 
 def _parse_llama3_json(text: str) -> list[ParsedAction]:
@@ -73,7 +67,7 @@ def _parse_llama3_json(text: str) -> list[ParsedAction]:
         try:
             obj, end = decoder.raw_decode(body, pos)
         except (ValueError, RecursionError) as e:
-            calls.append(_json_error(body[pos:], e))
+            calls.append(json_error_call(body[pos:], e))
             break
         calls.append(_call_from_object(obj, body[pos:end], "parameters"))
         rest = body[end:].lstrip()
@@ -102,7 +96,7 @@ def _parse_mistral(text: str) -> list[ParsedAction]:
     try:
         arr, _ = json.JSONDecoder().raw_decode(body)
     except (ValueError, RecursionError) as e:
-        return [_json_error(body, e)]
+        return [json_error_call(body, e)]
     if not isinstance(arr, list):
         arr = [arr]  # a single object: accepted as one call
     if not arr:

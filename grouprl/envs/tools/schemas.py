@@ -1,7 +1,8 @@
 """Agent tools: JSON schemas from typed Python functions, `ToolSet` (checked calls), tool prompts.
 
-Builds on the text protocol of policies/agent.py (`ParsedAction`, `ParseStats`, the Hermes / Qwen2.5
-`<tool_call>` format of `format_tool_call`). The public names here are also importable from agent.py.
+Builds on the text protocol of calls.py (`ParsedAction`, `ParseStats`, the Hermes / Qwen2.5
+`<tool_call>` format of `format_tool_call`). The public names here, calls.py's and formats.py's are
+importable from `grouprl.envs.tools`.
   - `tool_schema(fn)`: an OpenAI-style function schema from the annotations and the Google-style
     docstring (int/float/str/bool, list[X], dict, Optional[X], Literal[...]); anything it cannot
     describe to a model (*args, missing annotations, a docstring naming unknown arguments) raises.
@@ -14,7 +15,7 @@ Builds on the text protocol of policies/agent.py (`ParsedAction`, `ParseStats`, 
     `agent.tools`), resolved from the working directory too.
   - `valid_utf8(text)`: text that every tokenizer can encode (lone surrogates become "?").
 Tool-call formats (Hermes, Llama 3 JSON, Mistral) and the `tool` messages of results are
-policies/tool_formats.py.
+formats.py.
 """
 
 from __future__ import annotations

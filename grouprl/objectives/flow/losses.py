@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from grouprl.objectives.aggregation import masked_mean
 from grouprl.objectives.losses import policy_loss
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
@@ -108,20 +109,13 @@ def _mean_d(x: Tensor) -> Tensor:
     return x.flatten(2).mean(-1)
 
 
-def _masked_mean(x: Tensor, valid: Tensor, num_terms: float | Tensor | None) -> Tensor:
-    """sum over valid (sample, timestep) pairs / (their count or num_terms). x [B, K] -> scalar."""
-    total = x.masked_fill(~valid, 0.0).sum()  # scalar
-    denom = valid.sum().clamp(min=1) if num_terms is None else torch.as_tensor(num_terms)
-    return total / denom
-
-
 def _velocity_reg(v: Tensor, other: Tensor | None, coef: float, valid, num_terms) -> Tensor:
     """coef * mean over pairs of mean_D (v - sg(other))^2; 0 when coef is 0."""
     if coef == 0:
         return v.new_zeros(())
     if other is None:
         raise ValueError(f"a velocity regulariser with coefficient {coef} needs its velocities")
-    return coef * _masked_mean(_mean_d((v - other.detach()) ** 2), valid, num_terms)
+    return coef * masked_mean(_mean_d((v - other.detach()) ** 2), valid, num_terms)
 
 
 # ---- DiffusionNFT ------------------------------------------------------------------------------
@@ -161,14 +155,14 @@ def nft_loss(
     err_neg = _mean_d((neg - target) ** 2) / w_neg  # [B, K]
     r = optimality_probability(advantages.float(), adv_clip_max)[:, None]  # [B, 1]
     per = (r * err_pos + (1 - r) * err_neg) / beta  # [B, K]
-    main = adv_clip_max * _masked_mean(per, valid, num_terms)  # scalar
+    main = adv_clip_max * masked_mean(per, valid, num_terms)  # scalar
     kl = _velocity_reg(v, v_ref, kl_coef, valid, num_terms)  # scalar
     loss = main + kl
     metrics = {
         "nft_loss": float(main.detach()),
         "kl": float(kl.detach()),
-        "x0_err_pos": float(_masked_mean(err_pos.detach() * w_pos, valid, None)),
-        "x0_err_neg": float(_masked_mean(err_neg.detach() * w_neg, valid, None)),
+        "x0_err_pos": float(masked_mean(err_pos.detach() * w_pos, valid, None)),
+        "x0_err_neg": float(masked_mean(err_neg.detach() * w_neg, valid, None)),
         "r_mean": float(r.mean()),
     }
     return LossOutput(loss=loss, metrics=metrics)
@@ -245,5 +239,5 @@ def awm_loss(
     ema = _velocity_reg(v, v_ema, ema_coef, valid, num_terms)  # scalar
     mse = _mean_d((v.detach() - target) ** 2)  # [B, K]
     metrics = {**pg.metrics, "kl": float(kl.detach()), "ema_reg": float(ema.detach())}
-    metrics["fm_mse"] = float(_masked_mean(mse, valid, None))
+    metrics["fm_mse"] = float(masked_mean(mse, valid, None))
     return LossOutput(loss=pg.loss + kl + ema, metrics=metrics)

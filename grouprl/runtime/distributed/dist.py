@@ -63,8 +63,8 @@ from grouprl.runtime.checkpoint import (
     restore_rng,
 )
 from grouprl.runtime.distributed.io import NullLogger, SharedCheckpoints
-from grouprl.runtime.distributed.model import DistributedPolicy, ScoreView, ScoringModule, _rows
-from grouprl.types import Rollout
+from grouprl.runtime.distributed.model import DistributedPolicy, ScoreView, ScoringModule
+from grouprl.types import Rollout, select_rows
 
 _EMPTY = torch.empty(0, dtype=torch.long)  # a padding micro-batch (see module docstring)
 
@@ -150,7 +150,7 @@ class Dist:
         process to run the forward)."""
         n = batch.completion_ids.shape[0]
         share = chunks(list(range(n)), self.world)[self.rank]
-        logp, entropy = fn(_rows(batch, torch.tensor(share or [0])))  # [n_r, T] each
+        logp, entropy = fn(select_rows(batch, torch.tensor(share or [0]), n))  # [n_r, T] each
         keep = slice(None) if share else slice(0, 0)
         parts = self.all_gather_object(
             (logp[keep].cpu(), None if entropy is None else entropy[keep].cpu())

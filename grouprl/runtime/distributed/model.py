@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -125,8 +124,3 @@ class _SplitScorer:
         return self.dist.score_rows(lambda b: (self.scorer.log_probs(b, temperature), None), batch)[
             0
         ]
-
-
-def _rows(batch: Any, idx: Tensor) -> Any:
-    """Rows `idx` of a TokenBatch-like dataclass (every field batched along dim 0)."""
-    return replace(batch, **{f.name: getattr(batch, f.name)[idx] for f in fields(batch)})
