@@ -216,3 +216,13 @@ def test_several_workers_with_their_own_deadlines():
     finally:
         for w in workers:
             w.close()
+
+
+def test_a_forked_copy_of_a_worker_never_kills_the_real_one(worker):
+    pid = worker.call(("pid", None)).value
+    other = ForkedWorker(lambda _: worker.kill())  # runs in another child, on its copy
+    try:
+        assert other.call(None, timeout_s=20) == Ok(None)
+        assert _alive(pid) and worker.call(("pid", None)) == Ok(pid)
+    finally:
+        other.close()

@@ -312,6 +312,7 @@ class ForkedWorker:
         self._conn: Connection | None = None
         self._pending: tuple[float | None, float | None] | None = None  # (deadline, timeout_s)
         self._ended: Any = None  # readable once the child has ended (_end_watch)
+        self._owner = os.getpid()
 
     # ---- state
 
@@ -350,6 +351,7 @@ class ForkedWorker:
         self._proc.start()
         child.close()
         self._ended = _end_watch(self._proc)
+        self._owner = os.getpid()  # kill() / close() act here only, never in a forked copy
         _OPEN.add(self)
 
     def submit(self, request: Any, timeout_s: float | None = None) -> Outcome | None:
@@ -413,7 +415,7 @@ class ForkedWorker:
         proc, conn, self._proc, self._conn, self._pending = self._proc, self._conn, None, None, None
         ended, self._ended = self._ended, None
         _OPEN.discard(self)
-        if proc is None:
+        if proc is None or self._owner != os.getpid():  # a copy in a forked process: not ours
             return
         if proc.pid is not None and proc.exitcode is None:  # not reaped: the pid is still ours
             kill_tree(proc.pid)
@@ -424,7 +426,7 @@ class ForkedWorker:
 
     def close(self) -> None:
         """Ask the child to stop, wait up to grace_s, then kill what is left of its tree."""
-        if self._proc is None:
+        if self._proc is None or self._owner != os.getpid():
             return
         if self._pending is None:  # a busy child would read the stop after its request
             try:
