@@ -270,3 +270,29 @@ def test_prepare_never_recomputes_old_logp_under_one_step_off(tiny_model_dir, tm
     )
     assert off.rollout.old_logp == "recompute"  # the run's own config is untouched
     assert isinstance(rollout_source(sync, None, None, lambda s, p: (None, {})), SyncRollouts)
+
+
+def test_the_rollout_process_reports_a_failure_a_death_and_leaves_no_process():
+    import os
+
+    from grouprl.runtime.async_worker import ProcessRunner
+
+    def job(what):
+        if what == "raise":
+            raise ValueError("bad batch")
+        if what == "exit":
+            os._exit(3)
+        return what * 2
+
+    runner = ProcessRunner(job)
+    pid = runner.worker.pid
+    assert runner.submit(21).result() == 42
+    with pytest.raises(RuntimeError, match=r"(?s)failed:\n.*ValueError: bad batch"):
+        runner.submit("raise").result()
+    with pytest.raises(RuntimeError, match=r"died \(.*exit code 3\)"):
+        runner.submit("exit").result()
+    assert runner.submit(1).result() == 2  # a fresh child
+    last = runner.worker.pid
+    assert last != pid and not os.path.exists(f"/proc/{pid}")
+    runner.shutdown()
+    assert runner.worker.pid is None and not os.path.exists(f"/proc/{last}")

@@ -52,7 +52,7 @@ def test_an_isolated_rewards_daemon_ends_with_close(tmp_path):
     fn = IsolatedReward(reward, "spawner", timeout_s=30)
     assert fn(["a"]) == [1.0]
     daemon = int(pid_file.read_text())
-    assert _alive(daemon) and daemon in descendants(fn._pool[0].proc.pid)  # kept in the tree
+    assert _alive(daemon) and daemon in descendants(fn._pool[0].pid)  # kept in the tree
     fn.close()
     assert not _alive(daemon)
 

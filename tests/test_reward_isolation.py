@@ -65,7 +65,8 @@ def test_a_dying_worker_costs_one_sample_and_is_replaced():
     reward = IsolatedReward(flaky, "flaky", timeout_s=5.0)
     assert reward(["ab", "die", "abc"]) == [0.0, None, 1.0]
     assert reward.pop_metrics()["reward_errors/flaky"] == 1.0
-    assert len(reward._pool) == 1 and reward._pool[0].proc.is_alive()
+    pid = reward._pool[0].pid  # the replacement worker
+    assert len(reward._pool) == 1 and pid is not None and os.path.exists(f"/proc/{pid}")
     reward.close()
     assert reward._pool == []
 
@@ -339,3 +340,40 @@ def test_episode_metrics_count_env_errors(monkeypatch):
     modes = iter(["ok", "raise", "ok", "ok"])
     with pytest.raises(EnvFailure, match="KeyError"):
         episodes.collect(cfg, policy, examples, SamplingParams(), group_size=2)
+
+
+class _Sneaky:
+    """An info value that plain pickle would turn into a call of os.system in the trainer."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+class ToolEnv(FlakyEnv):
+    tools = [{"type": "function", "function": {"name": "look"}}]
+
+    def step(self, action):
+        if action == "sneak":
+            return "done", 1.0, True, False, {"payload": _Sneaky()}
+        return super().step(action)
+
+
+def test_guarded_env_attributes_are_explicit_and_replies_restricted():
+    import gymnasium as gym
+
+    class Inner(ToolEnv, gym.Env):
+        pass
+
+    class Wrapped(gym.Wrapper):  # gymnasium wrappers do not forward attributes
+        def __init__(self):
+            super().__init__(Inner())
+
+    for timeout_s in (None, 5.0):
+        env = GuardedEnv(Wrapped, timeout_s, fail_fast=False)
+        assert env.tools == ToolEnv.tools and env.get_wrapper_attr("system_prompt")
+        assert not hasattr(GuardedEnv(FlakyEnv, timeout_s, fail_fast=False), "tools")
+        env.reset(seed=0)
+        if timeout_s is not None:  # the env's reply is loaded by the restricted unpickler
+            obs, reward, _, truncated, info = env.step("sneak")
+            assert (reward, truncated) == (0.0, True) and "refused" in info["env_error"]
+        env.close()

@@ -8,89 +8,69 @@ trains.
 How: the child is forked once, when one_step_off starts, so it inherits everything the rollouts
 need (the snapshot policy, the sampler, the reward functions, the rollout function) without
 pickling any of it. The snapshot's weights live in shared memory (`share_memory()` before the
-fork): the parent copies its weights in while the child is idle, the child reads them. Each job is
-a pickled argument tuple over a pipe; the child answers with the pickled result (or the traceback
-of its error, raised in the parent). CPU only: a CUDA context does not survive a fork.
+fork): the parent copies its weights in while the child is idle, the child reads them. The child
+is a runtime/workers.ForkedWorker: each job is an argument tuple over its pipe; the child answers
+with the result (the batch, the sampler position, the RNG state: loaded by the worker's
+restricted unpickler, which admits the Rollout / TokenBatch dataclasses besides plain data and
+tensors) or the traceback of its error, raised in the parent. Jobs have no deadline; close()
+waits up to 60 s for a batch in progress, then kills the child's tree. CPU only: a CUDA context
+does not survive a fork.
 """
 
 from __future__ import annotations
 
-import atexit
-import pickle
-import traceback
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from grouprl.runtime.workers import Died, ForkedWorker, Ok, Raised, TimedOut
+from grouprl.types import Rollout, TokenBatch
+
+# the classes a reply carries besides plain data, tensors and numpy arrays (the RNG state)
+REPLY_CLASSES = (Rollout, TokenBatch)
 
 
 class ProcessRunner:
     """One forked worker process running `target(*args)` for each `submit(*args)`, in order."""
 
     def __init__(self, target: Callable[..., Any]) -> None:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("fork")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_serve, args=(child, target, torch.get_num_threads()), name="grouprl-rollout"
-        )
-        self.proc.start()
-        child.close()
-        self.closed = False
-        atexit.register(self.shutdown)  # runs before multiprocessing joins its children
+        threads = torch.get_num_threads()
+        self.worker = ForkedWorker(
+            lambda args: target(*args), name="grouprl-rollout", allowed=REPLY_CLASSES,
+            on_start=functools.partial(torch.set_num_threads, threads), daemon=False,
+            grace_s=60.0,  # shutdown lets a batch in progress finish
+        )  # fmt: skip
+        self.worker.start()  # now: the child inherits the state the rollouts need as it is
 
     def submit(self, *args: Any) -> Reply:
-        self.conn.send_bytes(pickle.dumps(args))
-        return Reply(self.conn)
+        failed = self.worker.submit(args)  # no deadline: a batch takes what it takes
+        return Reply(self.worker, failed)
 
     def shutdown(self, wait: bool = True) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.conn.send_bytes(pickle.dumps(None))
-        except OSError:
-            pass
-        self.proc.join(timeout=60 if wait else 0)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join()
-        self.conn.close()
+        """Stop the worker (it finishes the batch in progress first when `wait`)."""
+        if not wait:
+            self.worker.kill()
+        self.worker.close()
 
 
 class Reply:
     """The answer to one job (Future-like: result(), cancel())."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.value = conn, None
+    def __init__(self, worker: ForkedWorker, failed: Any = None) -> None:
+        self.worker, self.outcome = worker, failed
 
     def result(self) -> Any:
-        if self.value is None:
-            try:
-                self.value = pickle.loads(self.conn.recv_bytes())
-            except EOFError:
-                raise RuntimeError("the rollout worker process died") from None
-        kind, payload = self.value
-        if kind == "error":
-            raise RuntimeError(f"the rollout worker process failed:\n{payload}")
-        return payload
+        if self.outcome is None:
+            self.outcome = self.worker.collect()
+        if isinstance(self.outcome, Ok):
+            return self.outcome.value
+        if isinstance(self.outcome, Died | TimedOut):
+            raise RuntimeError(f"the rollout worker process died ({self.outcome.describe()})")
+        assert isinstance(self.outcome, Raised)
+        detail = self.outcome.traceback or self.outcome.error
+        raise RuntimeError(f"the rollout worker process failed:\n{detail}")
 
     def cancel(self) -> bool:
         return False
-
-
-def _serve(conn: Any, target: Callable[..., Any], threads: int) -> None:
-    torch.set_num_threads(threads)
-    while True:
-        try:
-            job = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the parent went away
-            return
-        if job is None:
-            return
-        try:
-            answer = ("ok", target(*job))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-            answer = ("error", traceback.format_exc())
-        conn.send_bytes(pickle.dumps(answer))

@@ -5,9 +5,11 @@
 
 - without a timeout the env lives in this process; a step() that raises ends the episode;
 - with `timeout_s` (config agent.env_step_timeout_s) the env, made here, is served by its own
-  forked process (also without a deadline when `own_process`: agent.env_execution "processes",
-  envs/vector.py), and a reset / step / attribute read that misses the deadline gets that process
-  SIGKILLed (the copy left in this process is never used again).
+  forked process, a runtime/workers.ForkedWorker (also without a deadline when `own_process`:
+  agent.env_execution "processes", envs/vector.py), and a reset / step / attribute read that
+  misses the deadline gets that process and its tree SIGKILLed (the copy left in this process is
+  never used again; the worker is not restarted: the env's state is gone with it). Replies (an
+  observation, an info dict, an attribute) are loaded by the worker's restricted unpickler.
 
 A failed step returns (observation "[environment error: ...]", reward 0.0, terminated False,
 truncated True, info {"env_error": message, ...}): the rollout ends the episode as truncated, its
@@ -21,13 +23,10 @@ episode cut by the turn limit); a later attribute read or close() of a dead env 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
-from grouprl.runtime.process_tree import become_subreaper, kill_tree
+from grouprl.runtime.workers import Died, ForkedWorker, Ok, Raised, TimedOut, describe
 
 _log = logging.getLogger(__name__)
 
@@ -41,83 +40,83 @@ class _RemoteError(RuntimeError):
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _RemoteError):
-        return str(exc)
-    try:
-        return f"{type(exc).__name__}: {exc}"[:500]
-    except Exception:
-        return type(exc).__name__
+    return str(exc) if isinstance(exc, _RemoteError) else describe(exc)
 
 
-def _serve(env: Any, conn: Connection, parent_end: Connection) -> None:
-    """Env process loop: (command, argument) in, ("ok", value) or ("error", text, is_attr) out."""
-    parent_end.close()
-    become_subreaper()  # processes the env starts (daemons too) stay in this tree: kill()
-    while True:
-        try:
-            command, arg = conn.recv()
-        except (EOFError, OSError):  # the parent closed the pipe or went away
-            kill_tree(os.getpid(), include_root=False)  # what the env started ends with us
-            return
-        try:
-            if command == "reset":
-                value: Any = env.reset(**arg)
-            elif command == "step":
-                value = env.step(arg)
-            elif command == "close":
-                value = getattr(env, "close", lambda: None)()
-            else:  # getattr
-                value = getattr(env, arg)
-            reply: tuple[str, Any] = ("ok", value)
-        except BaseException as exc:
-            reply = ("error", _describe(exc), isinstance(exc, AttributeError))
-        try:
-            conn.send(reply)
-        except Exception as exc:
-            conn.send(("error", f"the env's answer cannot be sent back: {_describe(exc)}", False))
+_MISSING = "missing attribute"  # the handler's answer to a read of an attribute the env lacks
+
+
+def _env_handler(env: Any) -> Callable[[tuple[str, Any]], Any]:
+    """The env process's handler: (command, argument) -> the env's answer."""
+
+    def handle(request: tuple[str, Any]) -> Any:
+        command, arg = request
+        if command == "reset":
+            return env.reset(**arg)
+        if command == "step":
+            return env.step(arg)
         if command == "close":
-            kill_tree(os.getpid(), include_root=False)
-            return
+            return getattr(env, "close", lambda: None)()
+        try:  # "attr": a read through gymnasium's wrappers
+            return ("ok", _read_attr(env, arg))
+        except AttributeError as exc:
+            return (_MISSING, describe(exc))
+
+    return handle
+
+
+def _read_attr(env: Any, name: str) -> Any:
+    """env.name, or the attribute of the env under gymnasium wrappers (get_wrapper_attr)."""
+    if hasattr(env, name):
+        return getattr(env, name)
+    getter = getattr(env, "get_wrapper_attr", None)
+    if getter is None:
+        raise AttributeError(f"{type(env).__name__} has no attribute {name!r}")
+    return getter(name)
 
 
 class _EnvProcess:
-    """The env in a forked child; `call` raises TimeoutError / _RemoteError / AttributeError."""
+    """The env in a forked worker; `call` raises TimeoutError / _RemoteError / AttributeError."""
 
-    def __init__(self, env: Any, timeout_s: float) -> None:
-        ctx = mp.get_context("fork")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(env, child, self.conn), daemon=True)
-        self.proc.start()
-        child.close()
+    def __init__(self, env: Any, timeout_s: float | None) -> None:
+        self.worker = ForkedWorker(_env_handler(env), name="grouprl-env")
+        self.worker.start()  # now: the env copy left in this process is never used again
         self.timeout_s, self.dead = timeout_s, False
 
     def call(self, command: str, arg: Any = None) -> Any:
         if self.dead:
             raise _RemoteError("the env process was stopped after an earlier failure")
-        self.conn.send((command, arg))
-        if not self.conn.poll(self.timeout_s):
-            self.kill()
+        outcome = self.worker.call((command, arg), self.timeout_s)
+        if isinstance(outcome, Ok):
+            if command != "attr":
+                return outcome.value
+            status, value = outcome.value
+            if status == _MISSING:
+                raise AttributeError(value)
+            return value
+        self.kill()  # a failed env process is never restarted: its env state is lost
+        if isinstance(outcome, TimedOut):
             raise TimeoutError(f"env {command} did not answer within {self.timeout_s:g} s")
-        try:
-            reply = self.conn.recv()
-        except (EOFError, OSError):
-            self.kill()
-            raise _RemoteError(f"the env process died (exit code {self.proc.exitcode})") from None
-        if reply[0] == "ok":
-            return reply[1]
-        raise (AttributeError if reply[2] else _RemoteError)(reply[1])
+        if isinstance(outcome, Died):
+            raise _RemoteError(f"the env process died (exit code {outcome.exitcode})")
+        assert isinstance(outcome, Raised)
+        raise _RemoteError(outcome.error)
 
     def kill(self) -> None:
         """End the env process and every process it started (setsid daemons included)."""
         self.dead = True
-        if self.proc.pid is not None and self.proc.exitcode is None:  # not reaped: pid is ours
-            kill_tree(self.proc.pid)
-        self.proc.join(timeout=5)
-        self.conn.close()
+        self.worker.kill()
+
+    def close(self) -> None:
+        """The env's own close() has run: the worker stops and its tree is killed."""
+        self.dead = True
+        self.worker.close()
 
 
 class GuardedEnv:
-    """A text env whose step failures end the episode (see the module docstring)."""
+    """A text env whose step failures end the episode (see the module docstring). It offers the
+    gymnasium Env surface the rollouts use: reset, step, close, the attributes below and
+    get_wrapper_attr(name) for any other (no attribute forwarding)."""
 
     def __init__(
         self,
@@ -139,7 +138,7 @@ class GuardedEnv:
             return self._env.reset(**arg)
         if command == "step":
             return self._env.step(arg)
-        return getattr(self._env, arg)
+        return _read_attr(self._env, arg)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         try:
@@ -167,15 +166,24 @@ class GuardedEnv:
         self._last_obs = result[0]
         return result
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # private / dunder lookups (copy, pickle) never reach the env
-            raise AttributeError(name)
+    def get_wrapper_attr(self, name: str) -> Any:
+        """The env's attribute `name` (through gymnasium wrappers), read where the env lives;
+        AttributeError if it has none or cannot be read (the env process failed)."""
         try:
-            return self._call("getattr", name)
+            return self._call("attr", name)
         except AttributeError:
             raise
         except Exception as exc:
             raise AttributeError(f"env attribute {name!r} unavailable: {_describe(exc)}") from exc
+
+    # the attributes of a text env the rollouts read (rollouts/multi_turn.py) and gymnasium's own
+    system_prompt = property(lambda self: self.get_wrapper_attr("system_prompt"))
+    tools = property(lambda self: self.get_wrapper_attr("tools"))
+    metadata = property(lambda self: self.get_wrapper_attr("metadata"))
+    spec = property(lambda self: self.get_wrapper_attr("spec"))
+    render_mode = property(lambda self: self.get_wrapper_attr("render_mode"))
+    action_space = property(lambda self: self.get_wrapper_attr("action_space"))
+    observation_space = property(lambda self: self.get_wrapper_attr("observation_space"))
 
     def close(self) -> None:
         if self._remote is None:
@@ -186,7 +194,7 @@ class GuardedEnv:
                 self._remote.call("close")
             except Exception as exc:
                 _log.warning("env close failed: %s", _describe(exc))
-            self._remote.kill()
+            self._remote.close()
 
 
 class EnvGuard:

@@ -8,10 +8,12 @@ values. Counts since the last `pop_metrics()`: `reward_errors/<name>` (calls tha
 worker that died) and `reward_timeouts/<name>`. With fail_fast the first failure raises
 RewardFailure (naming the reward and the sample) instead. Isolation modes (option strings):
 
-  "process"  `workers` forked worker processes, each holding a copy of `fn` (fork start method:
-             closures and functions loaded from files work, nothing is pickled but the samples
-             and the results). A call past its deadline gets its worker SIGKILLed and replaced.
-             A worker that dies (segfault, os._exit) costs one sample and is replaced too.
+  "process"  `workers` forked worker processes (runtime/workers.ForkedWorker), each holding a
+             copy of `fn` (fork start method: closures and functions loaded from files work,
+             nothing is pickled but the samples and the results; results are loaded by the
+             worker's restricted unpickler). A call past its deadline gets its worker SIGKILLed
+             with its tree and replaced (forked afresh for its next sample). A worker that dies
+             (segfault, os._exit) costs one sample and is replaced too.
              Processes the function starts, daemons included, end with their worker
              (grouprl.runtime.process_tree: the worker is their subreaper; close() kills the tree).
              Needs Linux/macOS fork; a CUDA reward model cannot run in a forked child.
@@ -30,13 +32,10 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
 from grouprl.envs.rewards.loading import (
@@ -45,7 +44,7 @@ from grouprl.envs.rewards.loading import (
     keywords_for,
     sample_kwargs,
 )
-from grouprl.runtime.process_tree import become_subreaper, kill_tree
+from grouprl.runtime.workers import Died, ForkedWorker, Ok, Raised, TimedOut, describe, wait_ready
 
 _log = logging.getLogger(__name__)
 Isolation = Literal["process", "thread"]
@@ -55,69 +54,25 @@ class RewardFailure(RuntimeError):
     """fail_fast: a reward call raised or missed its deadline (message names reward and sample)."""
 
 
-def _describe(exc: BaseException) -> str:
-    try:
-        return f"{type(exc).__name__}: {exc}"[:500]
-    except Exception:  # a str() that raises
-        return type(exc).__name__
+def _reward_handler(fn: RewardFn) -> Callable[[tuple], tuple]:
+    """The worker's handler: one call (args, kwargs) -> (status, value or error text, the
+    function's own pop_metrics() since the last call, {} if it has none)."""
 
-
-def _serve(fn: RewardFn, conn: Connection, parent_end: Connection) -> None:
-    """Worker process loop: (args, kwargs) in, ("ok", value) or ("error", text) out."""
-    parent_end.close()
-    become_subreaper()  # processes the reward starts (daemons too) stay in this tree: kill()
-    while True:
-        try:
-            args, kwargs = conn.recv()
-        except (EOFError, OSError):  # the parent closed the pipe or went away
-            kill_tree(os.getpid(), include_root=False)  # what the reward started ends with us
-            return
+    def handle(call: tuple) -> tuple:
+        args, kwargs = call
         try:
             reply: tuple = ("ok", fn(*args, **kwargs))
-        except BaseException as exc:
-            reply = ("error", _describe(exc))
+        except BaseException as exc:  # noqa: BLE001 - the sample's failure, with its metrics
+            reply = ("error", describe(exc))
         pop = getattr(fn, "pop_metrics", None)  # the function's own counts live in this process
         if callable(pop):
             try:
-                reply += (pop(),)
+                return (*reply, pop())
             except Exception as exc:
-                reply = ("error", f"pop_metrics raised {_describe(exc)}")
-        try:
-            conn.send(reply)
-        except Exception as exc:  # an unpicklable result
-            conn.send(("error", f"the result cannot be sent back: {_describe(exc)}"))
+                return "error", f"pop_metrics raised {describe(exc)}", {}
+        return (*reply, {})
 
-
-class _Worker:
-    """One forked worker process holding `fn`."""
-
-    def __init__(self, fn: RewardFn) -> None:
-        ctx = mp.get_context("fork")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(fn, child, self.conn), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def send(self, call: tuple) -> str | None:
-        try:
-            self.conn.send(call)
-            return None
-        except Exception as exc:  # unpicklable sample or a dead worker
-            return f"cannot send the sample to the worker: {_describe(exc)}"
-
-    def recv(self) -> tuple:
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            self.proc.join(timeout=1)
-            return "error", f"the worker process died (exit code {self.proc.exitcode})"
-
-    def kill(self) -> None:
-        """End the worker and every process it started (setsid daemons included)."""
-        if self.proc.pid is not None and self.proc.exitcode is None:  # not reaped: pid is ours
-            kill_tree(self.proc.pid)
-        self.proc.join(timeout=5)
-        self.conn.close()
+    return handle
 
 
 class IsolatedReward:
@@ -140,7 +95,7 @@ class IsolatedReward:
         self.errors = self.timeouts = self.abandoned_threads = 0
         self.first_error: str | None = None  # since the last pop_metrics()
         self.inner_metrics: dict[str, float] = {}  # pop_metrics() of fn, sent back by workers
-        self._pool: list[_Worker] = []
+        self._pool: list[ForkedWorker] = []
         self._lock = threading.Lock()
 
     def __call__(self, completions: list[str], **columns: Any) -> list[float | None]:
@@ -168,44 +123,45 @@ class IsolatedReward:
     # ---- the two isolation modes: calls -> [(status, payload)] with status ok / error / timeout
 
     def _run_processes(self, calls: list[tuple]) -> list[tuple[str, Any]]:
-        """A small event loop: idle workers take the next sample, deadlines are checked in wait()."""
+        """A small event loop: idle workers take the next sample; each worker's deadline is its
+        own (a worker past it is killed with its tree and forks afresh for its next sample)."""
         results: list[tuple[str, Any]] = [("error", "not run")] * len(calls)
-        pending, running = deque(range(len(calls))), {}  # worker -> (sample, deadline)
+        pending, running = deque(range(len(calls))), {}  # worker -> sample
         while len(self._pool) < min(self.workers, len(calls)):
-            self._pool.append(_Worker(self.fn))
+            self._pool.append(ForkedWorker(_reward_handler(self.fn), name="grouprl-reward"))
         idle = list(self._pool)
         while pending or running:
             while pending and idle:
                 worker, i = idle.pop(), pending.popleft()
-                problem = worker.send(calls[i])
-                if problem is None:
-                    running[worker] = (i, time.monotonic() + self.timeout_s)
+                failed = worker.submit(calls[i], self.timeout_s)
+                if failed is None:
+                    running[worker] = i
                 else:
-                    results[i] = ("error", problem)
-                    idle.append(self._replace(worker))
+                    results[i] = self._result(failed)
+                    idle.append(worker)
             if not running:
                 continue
-            soonest = min(deadline for _, deadline in running.values())
-            ready = wait([w.conn for w in running], max(0.0, soonest - time.monotonic()))
-            for worker, (i, deadline) in list(running.items()):
-                if worker.conn in ready:
-                    reply = worker.recv()
-                    results[i] = reply[:2]
-                    for key, value in (reply[2] if len(reply) > 2 else {}).items():
-                        self.inner_metrics[key] = self.inner_metrics.get(key, 0.0) + value
-                    del running[worker]
-                    idle.append(worker if worker.proc.is_alive() else self._replace(worker))
-                elif time.monotonic() >= deadline:
-                    results[i] = ("timeout", None)
-                    del running[worker]
-                    idle.append(self._replace(worker))
+            soonest = min(w.deadline for w in running)
+            ready = wait_ready(running, max(0.0, soonest - time.monotonic()))
+            for worker in list(running):
+                if worker in ready or time.monotonic() >= worker.deadline:
+                    results[running.pop(worker)] = self._result(worker.collect())
+                    idle.append(worker)
         return results
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        worker.kill()
-        fresh = _Worker(self.fn)
-        self._pool[self._pool.index(worker)] = fresh
-        return fresh
+    def _result(self, outcome: Any) -> tuple[str, Any]:
+        """A worker's outcome as (status, payload); the function's metrics are added up."""
+        if isinstance(outcome, Ok):
+            status, payload, metrics = outcome.value
+            for key, value in metrics.items():
+                self.inner_metrics[key] = self.inner_metrics.get(key, 0.0) + value
+            return status, payload
+        if isinstance(outcome, TimedOut):
+            return "timeout", None
+        if isinstance(outcome, Died):
+            return "error", f"the worker process died (exit code {outcome.exitcode})"
+        assert isinstance(outcome, Raised)
+        return "error", outcome.error
 
     def _run_threads(self, calls: list[tuple]) -> list[tuple[str, Any]]:
         results: list[tuple[str, Any]] = [("error", "not run")] * len(calls)
@@ -228,7 +184,7 @@ class IsolatedReward:
         try:
             value = ("ok", self.fn(*call[0], **call[1]))
         except BaseException as exc:
-            value = ("error", _describe(exc))
+            value = ("error", describe(exc))
         with self._lock:
             if results[i] == ("error", "not run"):  # a late result of an abandoned call is dropped
                 results[i] = value
@@ -256,7 +212,7 @@ class IsolatedReward:
     def close(self) -> None:
         """Stop the worker processes (they are daemons: they also end with this process)."""
         for worker in self._pool:
-            worker.kill()
+            worker.close()
         self._pool = []
 
     def __del__(self) -> None:

@@ -242,5 +242,18 @@ class _StepHook:
     def load_state_dict(self, state: dict) -> None:
         self.backend.load_optimizer_state(state)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # what torch.amp.GradScaler.step / unscale_ read of an optimizer
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults

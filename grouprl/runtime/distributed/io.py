@@ -52,8 +52,20 @@ class NullLogger:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Any:  # log, log_samples, print, truncate_after, close
-        return lambda *args, **kwargs: None
+    def log(self, step: int, metrics: Any, split: str = "train") -> None:
+        pass
+
+    def log_samples(self, step: int, rows: Any) -> None:
+        pass
+
+    def print(self, msg: str) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _local(item: Any) -> Any:

@@ -54,10 +54,39 @@ class ScoringModule(torch.nn.Module):
         return unwrap_peft(self.model).get_output_embeddings()
 
 
+def _policy_attr(name: str, settable: bool = False) -> property:
+    """The wrapped policy's attribute `name`, read (and, if settable, written) through."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.policy, name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(self.policy, name, value)
+
+    return property(get, put if settable else None, doc=f"The wrapped policy's `{name}`.")
+
+
+# CausalLMPolicy's surface (several processes train text policies only: dist.check_world),
+# minus what a wrapper defines itself: its attributes, then its methods
+_TEXT_POLICY = {
+    "model": _policy_attr("model"), "tokenizer": _policy_attr("tokenizer"),
+    "engine": _policy_attr("engine"), "lora": _policy_attr("lora"),
+    "logprob_path": _policy_attr("logprob_path"),
+    "logprob_chunk_size": _policy_attr("logprob_chunk_size"),
+    "compute_dtype": _policy_attr("compute_dtype"),
+    "prompt_token_limit": _policy_attr("prompt_token_limit", settable=True),  # prompt_guard.py
+    "device_of_model": _policy_attr("device_of_model"),
+    "encode_prompts": _policy_attr("encode_prompts"), "sample": _policy_attr("sample"),
+    "save_pretrained": _policy_attr("save_pretrained"), "state_dict": _policy_attr("state_dict"),
+    "load_state_dict": _policy_attr("load_state_dict"), "to": _policy_attr("to"),
+}  # fmt: skip
+
+
 class DistributedPolicy:
-    """The policy whose `log_probs` and parameters are the wrapped ScoringModule's; every other
-    attribute (sample, reference, save_pretrained, engine ...) is the wrapped policy's, whose
-    `model` is the trained model itself (DDP, ZeRO-2) or a refreshed plain copy (sharded)."""
+    """The policy whose `log_probs` and parameters are the wrapped ScoringModule's; the rest of the
+    text policy's surface (sample, reference, save_pretrained, engine ...: _TEXT_POLICY) is the
+    wrapped policy's, whose `model` is the trained model itself (DDP, ZeRO-2) or a refreshed
+    plain copy (sharded)."""
 
     def __init__(self, policy: Any, module: Any, backend: Any) -> None:
         self.policy, self.module, self.backend = policy, module, backend
@@ -88,8 +117,7 @@ class DistributedPolicy:
         )  # fmt: skip  # [N, T] each
         return PolicyOutput(logp=logp, entropy=entropy)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)
+    reference = _policy_attr("reference")
 
 
 class ScoreView:
@@ -112,8 +140,22 @@ class ScoreView:
         with self.policy.reference() as ref:
             yield _SplitScorer(ref, self.dist)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.policy.trainable_parameters()
+
+    def train(self, mode: bool = True) -> Any:
+        return self.policy.train(mode)
+
+    def eval(self) -> Any:
+        return self.policy.eval()
+
+    def load_saved_weights(self, directory: Any) -> None:
+        self.policy.load_saved_weights(directory)
+
+
+for _name, _attr in _TEXT_POLICY.items():  # the same explicit surface on both wrappers
+    setattr(DistributedPolicy, _name, _attr)
+    setattr(ScoreView, _name, _attr)
 
 
 class _SplitScorer:
