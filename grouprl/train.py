@@ -196,7 +196,7 @@ def update(
     policy.train()
     for _ in range(a.epochs):
         for mb, micro_batches in dist.split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
-                                        whole_groups=a.surrogate in _GROUP_SURROGATES):  # fmt: skip
+                                        whole_groups=a.surrogate.type in _GROUP_SURROGATES):  # fmt: skip
             counts = count_tokens(
                 rollout.mask[mb],
                 max_len=max_completion_len(cfg),

@@ -243,9 +243,9 @@ def test_yaml_alias_bomb_fails_fast_and_normal_anchors_still_work(tmp_path):
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
-    from grouprl.config.loading import _load_yaml
+    from grouprl.config.loading import load_yaml
 
-    data = _load_yaml("r: &r {a: 1, b: [1, 2]}\ns: {<<: *r, c: 3}\nt: [*r, *r]\n")
+    data = load_yaml("r: &r {a: 1, b: [1, 2]}\ns: {<<: *r, c: 3}\nt: [*r, *r]\n")
     assert data["s"] == {"a": 1, "b": [1, 2], "c": 3} and data["t"] == [data["r"], data["r"]]
 
 

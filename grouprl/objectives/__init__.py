@@ -13,7 +13,7 @@ from grouprl.objectives.flow.guard import guard_log_ratio, guard_step_loss
 from grouprl.objectives.flow.losses import LIKELIHOOD_FREE, awm_loss, nft_loss
 from grouprl.objectives.group_losses import pmd_token_loss, tpo_loss
 from grouprl.objectives.kl import KL_ESTIMATORS, kl_in_reward, kl_penalty, sequence_kl
-from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
+from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, ClipRange, policy_loss
 from grouprl.objectives.objective import count_tokens, total_loss
 from grouprl.objectives.token_scales import (
     EGSW_MODES,
@@ -48,6 +48,7 @@ __all__ = [
     "nft_loss",
     "pmd_token_loss",
     "policy_loss",
+    "ClipRange",
     "prefix_share_scales",
     "sequence_kl",
     "token_entropy_from_logits",

@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from grouprl.objectives.group_losses import PMD_TAU, TPO_ETA, check_group_options
-
-_DUAL_CLIP_SURROGATES = ("clip", "clip_cov")  # the surrogates built on the PPO clip
+from grouprl.objectives.group_losses import check_group_options
 
 
 @dataclass(frozen=True)
@@ -31,25 +30,28 @@ class _Batch:
     adv: Tensor
     mask: Tensor
     token_weights: Tensor | None
-    surrogate: str
+    surrogate: Any  # the surrogate's config: `type` and its family's knobs (config/surrogates.py)
     aggregation: str
     counts: dict
-    eps_low: float
-    eps_high: float
-    dual_clip_c: float | None
-    sapo_tau_pos: float
-    sapo_tau_neg: float
-    clip_cov_ratio: float
-    clip_cov_lb: float
-    clip_cov_ub: float
-    kl_cov_ratio: float
-    kl_cov_coef: float
     generator: torch.Generator | None
-    pmd_tau: float = PMD_TAU
-    tpo_eta: float = TPO_ETA
     group_ids: Tensor | None = None
     num_groups: int | float | Tensor | None = None
     seq_weights: Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        """The surrogate family's name (a key of losses.SURROGATES)."""
+        return self.surrogate.type
+
+    @property
+    def clip_range(self) -> tuple[float, float] | None:
+        """(eps_low, eps_high) of a surrogate with a clip range; None for one without."""
+        s = self.surrogate
+        return (s.eps_low, s.eps_high) if hasattr(s, "eps_low") else None
+
+    @property
+    def dual_clip_c(self) -> float | None:
+        return getattr(self.surrogate, "dual_clip_c", None)  # only the PPO-clip families have it
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -57,9 +59,14 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _clip_flags(ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities)."""
-    low = b.mask & (b.adv < 0) & (ratio < 1 - b.eps_low)  # [n, T]
-    high = b.mask & (b.adv > 0) & (ratio > 1 + b.eps_high)  # [n, T]
+    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities);
+    none for a surrogate without a clip range (sapo, reinforce, kl_cov, pmd, tpo)."""
+    if b.clip_range is None:
+        none = torch.zeros_like(b.mask)  # [n, T]
+        return none, none, none
+    eps_low, eps_high = b.clip_range
+    low = b.mask & (b.adv < 0) & (ratio < 1 - eps_low)  # [n, T]
+    high = b.mask & (b.adv > 0) & (ratio > 1 + eps_high)  # [n, T]
     c = b.dual_clip_c
     dual = (
         b.mask & (b.adv < 0) & (ratio > c) if c is not None else torch.zeros_like(b.mask)
@@ -97,17 +104,20 @@ def _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights) 
 
 
 def _check_option_values(b: _Batch, ratio_level: str) -> None:
-    """Option values and combinations policy_loss cannot honour (option names: losses.py)."""
-    if b.eps_low < 0 or b.eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0, got {b.eps_low}, {b.eps_high}")
-    for name, value in (("clip_cov_ratio", b.clip_cov_ratio), ("kl_cov_ratio", b.kl_cov_ratio)):
-        if not 0 < value <= 1:
-            raise ValueError(f"{name} is a fraction of the valid tokens, in (0, 1]; got {value}")
+    """Option values and combinations policy_loss cannot honour (option names: losses.py). The
+    config models check the ranges too; these checks serve callers that build the spec in code."""
+    s = b.surrogate
+    if b.clip_range is not None and min(b.clip_range) < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {s.eps_low}, {s.eps_high}")
+    if b.kind in ("clip_cov", "kl_cov") and not 0 < s.ratio <= 1:
+        raise ValueError(
+            f"{b.kind} ratio is a fraction of the valid tokens, in (0, 1]; got {s.ratio}"
+        )
     check_group_options(b, ratio_level)
-    if ratio_level == "geometric" and b.surrogate != "clip":
+    if ratio_level == "geometric" and b.kind != "clip":
         raise ValueError(
             "ratio_level 'geometric' (GMPO) has its own log-space clip; use surrogate 'clip', "
-            f"not {b.surrogate!r}"
+            f"not {b.kind!r}"
         )
     if b.dual_clip_c is None:
         return
@@ -115,8 +125,8 @@ def _check_option_values(b: _Batch, ratio_level: str) -> None:
         raise ValueError(
             f"dual_clip_c must be > 1 (it bounds -A*rho for A < 0), got {b.dual_clip_c}"
         )
-    if b.surrogate not in _DUAL_CLIP_SURROGATES or ratio_level == "geometric":
+    if ratio_level == "geometric":
         raise ValueError(
-            f"dual_clip_c applies to the PPO-clip surrogates {_DUAL_CLIP_SURROGATES} at token or "
-            f"sequence level, not surrogate {b.surrogate!r} with ratio_level {ratio_level!r}"
+            "dual_clip_c applies to the PPO-clip surrogates at token or sequence level, not "
+            "ratio_level 'geometric'"
         )

@@ -16,24 +16,25 @@ Ratio levels (`ratio_level`):
              sequence, their geometric mean over the valid slots (as verl does), so a 0 weight on any
              token drops the whole sequence.
 
-Surrogates (`surrogate`), per-slot losses l (to minimise), then token_weights, then aggregate():
+Surrogates (`surrogate`: its config object, `type` plus the family's knobs, grouprl/config/
+surrogates.py; knob names below are its fields), per-slot losses l (to minimise), then token_weights, then aggregate():
 - clip       PPO clip: max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)); eps_high > eps_low is DAPO's
              clip-higher (arXiv 2503.14476). Dual clip (arXiv 1912.09729) when dual_clip_c = c > 1:
              for A < 0, l = min(l, -A c).
 - cispo      MiniMax-M1 (arXiv 2506.13585, METHODS 15a): -sg(clip(rho, 1-eps_low, 1+eps_high)) A logp.
              Two-sided as in verl; TRL caps only the top (use a large eps_low for that).
 - sapo       Qwen SAPO (arXiv 2511.20347, METHODS 15b): -(4/tau) sigmoid(tau (rho - 1)) A, tau =
-             sapo_tau_pos if A > 0 else sapo_tau_neg. verl forces seq_mean_token_mean; here the
+             tau_pos if A > 0 else tau_neg. verl forces seq_mean_token_mean; here the
              configured aggregation is used (presets choose it).
 - reinforce  GPG (arXiv 2504.02546): -A logp, no ratio.
 - clip_cov   Entropy Mechanism (arXiv 2505.22617), rule read from verl: cov = (A - mean A)(logp - mean
-             logp) over the valid slots of this call; candidates are valid slots with clip_cov_lb < cov
-             < clip_cov_ub that PPO does not already clip; a uniformly random subset of
-             min(#candidates, max(1, int(clip_cov_ratio * n_valid))) of them is chosen (`generator`)
+             logp) over the valid slots of this call; candidates are valid slots with lb < cov
+             < ub that PPO does not already clip; a uniformly random subset of
+             min(#candidates, max(1, int(ratio * n_valid))) of them is chosen (`generator`)
              and their PPO loss is detached. Deviation: verl multiplies those losses by 0, which also
              drops their value; detaching gives the same gradient and keeps the logged loss honest.
-- kl_cov     same paper: l = -A rho (no clip) and, for the top max(1, int(kl_cov_ratio * n_valid))
-             valid slots by cov, l += kl_cov_coef * |log rho|.
+- kl_cov     same paper: l = -A rho (no clip) and, for the top max(1, int(ratio * n_valid))
+             valid slots by cov, l += coef * |log rho|.
 - pmd        PMD-mean (arXiv 2602.05933, METHODS section 2), group_losses.py: (tau/2)(A/tau - Delta_i)^2
              / |o_i| on each slot, Delta_i = summed token log-ratio; no clip. ratio_level "token" only.
 - tpo        TPO (arXiv 2604.06159, METHODS section 9), group_losses.py: cross-entropy to a target over
@@ -47,26 +48,22 @@ seq_weights (Float[n], optional): per-row loss weights passed to aggregate() (de
 ratio_level "geometric" they multiply each sequence's term.
 
 Metrics (floats over valid slots; 0 when there are none): clip_frac_low (A < 0 and rho < 1-eps_low),
-clip_frac_high (A > 0 and rho > 1+eps_high), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
+clip_frac_high (A > 0 and rho > 1+eps_high) (both 0 for a surrogate without a clip range), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
 (of the ratio the surrogate uses: per slot; for geometric per non-empty sequence, R_i), approx_kl =
 mean k3 estimate of KL(old || new) from the token log-ratios: (rho - 1) - log rho; pg_loss.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grouprl.objectives.aggregation import aggregate, local_counts, safe_count
-from grouprl.objectives.group_losses import (
-    GROUP_SURROGATES,
-    PMD_TAU,
-    TPO_ETA,
-    pmd_surrogate,
-    tpo_surrogate,
-)
+from grouprl.objectives.group_losses import GROUP_SURROGATES, pmd_surrogate, tpo_surrogate
 from grouprl.objectives.loss_checks import (
     _Batch,
     _check_option_values,
@@ -107,7 +104,8 @@ def _ppo_clip(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, Tensor]:
     ratio = _exp_ratio(log_ratio)  # [n, T]
     low, high, dual = _clip_flags(ratio.detach(), b)  # [n, T] each
     clipped = low | high  # [n, T]
-    bound = ratio.detach().clamp(1 - b.eps_low, 1 + b.eps_high)  # [n, T] constant where clipped
+    eps_low, eps_high = b.clip_range
+    bound = ratio.detach().clamp(1 - eps_low, 1 + eps_high)  # [n, T] constant where clipped
     loss = torch.where(clipped, -b.adv * bound, -b.adv * ratio)  # [n, T]
     if b.dual_clip_c is not None:
         loss = torch.where(dual, -b.adv * b.dual_clip_c, loss)  # [n, T] A<0: min(l, -A c)
@@ -128,14 +126,15 @@ def clip_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
 
 @SURROGATES.register("cispo")
 def cispo_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
-    weight = _exp_ratio(log_ratio).detach().clamp(1 - b.eps_low, 1 + b.eps_high)  # [n, T]
+    s = b.surrogate
+    weight = _exp_ratio(log_ratio).detach().clamp(1 - s.eps_low, 1 + s.eps_high)  # [n, T]
     return -weight * b.adv * b.logp, {}  # [n, T]
 
 
 @SURROGATES.register("sapo")
 def sapo_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
     ratio = _exp_ratio(log_ratio)  # [n, T]
-    tau = torch.where(b.adv > 0, b.sapo_tau_pos, b.sapo_tau_neg).to(ratio.dtype)  # [n, T]
+    tau = torch.where(b.adv > 0, b.surrogate.tau_pos, b.surrogate.tau_neg).to(ratio.dtype)  # [n, T]
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * b.adv, {}  # [n, T]
 
 
@@ -148,9 +147,10 @@ def reinforce_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
 def clip_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
     loss, clipped = _ppo_clip(log_ratio, b)  # [n, T] each
     cov = _covariance(b)  # [n, T]
-    eligible = b.mask & ~clipped & (cov > b.clip_cov_lb) & (cov < b.clip_cov_ub)  # [n, T]
+    s = b.surrogate
+    eligible = b.mask & ~clipped & (cov > s.lb) & (cov < s.ub)  # [n, T]
     candidates = eligible.flatten().nonzero().squeeze(-1)  # [K]
-    n_pick = min(candidates.numel(), max(1, int(b.clip_cov_ratio * int(b.mask.sum()))))
+    n_pick = min(candidates.numel(), max(1, int(s.ratio * int(b.mask.sum()))))
     device = b.generator.device if b.generator is not None else torch.device("cpu")
     perm = torch.randperm(candidates.numel(), generator=b.generator, device=device)  # [K]
     chosen = torch.zeros(b.mask.numel(), dtype=torch.bool, device=b.mask.device)  # [n*T]
@@ -166,10 +166,10 @@ def kl_cov_surrogate(log_ratio: Tensor, b: _Batch) -> tuple[Tensor, dict]:
     n_valid = int(b.mask.sum())
     chosen = torch.zeros_like(b.mask)  # [n, T]
     if n_valid > 0:
-        k = min(n_valid, max(1, int(b.kl_cov_ratio * n_valid)))
+        k = min(n_valid, max(1, int(b.surrogate.ratio * n_valid)))
         top = _covariance(b).flatten().topk(k).indices  # [k]; -inf padding ranks last
         chosen.view(-1)[top] = True
-        loss = loss + b.kl_cov_coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
+        loss = loss + b.surrogate.coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
     return loss, {"kl_cov_frac": _masked_mean(chosen.float(), b.mask)}
 
 
@@ -180,7 +180,7 @@ SURROGATES.register("tpo")(tpo_surrogate)
 def _tokenwise(log_ratio_fn, b: _Batch) -> tuple[Tensor, dict]:
     """token and sequence levels: per-slot surrogate, token weights, configured aggregation."""
     log_ratio = log_ratio_fn(b)  # [n, T]
-    loss_mat, extra = SURROGATES[b.surrogate](log_ratio, b)  # [n, T]
+    loss_mat, extra = SURROGATES[b.kind](log_ratio, b)  # [n, T]
     if b.token_weights is not None:
         loss_mat = loss_mat * b.token_weights  # [n, T]
     loss = aggregate(loss_mat, b.mask, b.aggregation, **b.counts, seq_weights=b.seq_weights)
@@ -203,11 +203,12 @@ RATIO_LEVELS.register("sequence")(partial(_tokenwise, _sequence_log_ratio))
 @RATIO_LEVELS.register("geometric")
 def _geometric(b: _Batch) -> tuple[Tensor, dict]:
     """GMPO, METHODS section 14 (aggregation ignored, see module docstring)."""
+    eps_low, eps_high = b.clip_range  # the clip surrogate's (checked by _check_option_values)
     delta = _token_log_ratio(b).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
-    high = b.mask & (b.adv > 0) & (delta > b.eps_high)  # [n, T] upper clip, A > 0 only
-    low = b.mask & (b.adv < 0) & (delta < -b.eps_low)  # [n, T] lower clip, A < 0 only
+    high = b.mask & (b.adv > 0) & (delta > eps_high)  # [n, T] upper clip, A > 0 only
+    low = b.mask & (b.adv < 0) & (delta < -eps_low)  # [n, T] lower clip, A < 0 only
     # sgn(A) min(sgn(A) d, sgn(A) clip(d)): A>0 caps d at eps_high, A<0 floors it at -eps_low, A=0 -> 0
-    c = torch.where(high, b.eps_high, torch.where(low, -b.eps_low, delta))  # [n, T]
+    c = torch.where(high, eps_high, torch.where(low, -eps_low, delta))  # [n, T]
     c = c.masked_fill((b.adv == 0) | ~b.mask, 0.0)  # [n, T]
     lengths = b.mask.sum(-1).clamp(min=1)  # [n]
     seq_ratio = (c.sum(-1) / lengths).exp()  # [n] R_i
@@ -232,15 +233,29 @@ def _geometric(b: _Batch) -> tuple[Tensor, dict]:
 
 def _group_level(b: _Batch) -> tuple[Tensor, dict]:
     """Surrogates with their own reduction over groups (TPO): no aggregate(), no clip."""
-    loss, metrics = SURROGATES[b.surrogate](_token_log_ratio(b), b)  # scalar
+    loss, metrics = SURROGATES[b.kind](_token_log_ratio(b), b)  # scalar
     ratio = _exp_ratio(_token_log_ratio(b).detach())  # [n, T] monitored only
     zero = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
     return loss, {**zero, **_ratio_metrics(ratio, b.mask), **metrics}
 
 
 def _check_options(b: _Batch, ratio_level: str) -> None:
-    _ = SURROGATES[b.surrogate], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
+    _ = SURROGATES[b.kind], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
     _check_option_values(b, ratio_level)
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """The PPO-clip surrogate's spec for callers that have no config object (the flow objectives):
+    the fields of config.surrogates.ClipSurrogate."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None = None
+    type: str = "clip"
+
+
+PPO_CLIP = ClipRange(0.2, 0.2)  # policy_loss's default surrogate: PPO's clip range 0.2
 
 
 def policy_loss(
@@ -249,33 +264,23 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
+    surrogate: Any = PPO_CLIP,
     ratio_level: str = "token",
-    surrogate: str = "clip",
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
     aggregation: str = "token_mean",
     num_tokens: int | float | Tensor | None = None,
     num_seqs: int | float | Tensor | None = None,
     max_len: int | None = None,
     token_weights: Tensor | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    kl_cov_ratio: float = 2e-4,
-    kl_cov_coef: float = 1.0,
     generator: torch.Generator | None = None,
-    pmd_tau: float = PMD_TAU,
-    tpo_eta: float = TPO_ETA,
     group_ids: Tensor | None = None,
     num_groups: int | float | Tensor | None = None,
     seq_weights: Tensor | None = None,
 ) -> LossOutput:
     """Policy-gradient loss of logp [n, T] (differentiable) against old_logp [n, T], with advantages
     [n] or [n, T], over mask [n, T] (bool). Counts are the global ones (see aggregation.py).
-    group_ids [n] and num_groups (global) serve TPO; seq_weights [n] go to aggregate()."""
+    surrogate: the surrogate's config, `type` (a SURROGATES name) and its family's knobs, e.g.
+    grouprl.config.surrogates.SapoSurrogate(tau_pos=1.0) or ClipRange(0.2, 0.28). group_ids [n]
+    and num_groups (global) serve TPO; seq_weights [n] go to aggregate(); generator: clip_cov."""
     _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights)
     adv = advantages.detach().to(logp.dtype)  # [n] or [n, T]
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv  # [n, T]
@@ -288,15 +293,11 @@ def policy_loss(
         adv=adv.masked_fill(pad, 0.0), mask=mask, token_weights=weights,
         surrogate=surrogate, aggregation=aggregation,
         counts={"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len},
-        eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
-        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef, generator=generator,
-        pmd_tau=pmd_tau, tpo_eta=tpo_eta, group_ids=group_ids, num_groups=num_groups,
+        generator=generator, group_ids=group_ids, num_groups=num_groups,
         seq_weights=None if seq_weights is None else seq_weights.detach().to(logp.dtype),
     )  # fmt: skip
     _check_options(b, ratio_level)
-    level = _group_level if surrogate in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
+    level = _group_level if b.kind in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
     loss, metrics = level(b)
     log_rho = _token_log_ratio(b).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
     metrics["approx_kl"] = _masked_mean(log_rho.exp() - 1 - log_rho, mask)  # k3 of KL(old || new)
