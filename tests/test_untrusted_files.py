@@ -236,10 +236,10 @@ def test_yaml_alias_bomb_fails_fast_and_normal_anchors_still_work(tmp_path):
         load_config(tmp_path / "loop.yaml")
     (tmp_path / "ok.yaml").write_text(
         "run: {name: &n myrun}\nmodel: {name_or_path: x}\n"
-        "task: {name: arithmetic, options: {tags: [*n, *n]}}\n"
+        "task: {name: arithmetic}\nrollout: {stop: [*n, *n]}\n"
     )
     cfg = load_config(tmp_path / "ok.yaml")
-    assert cfg.task.options == {"tags": ["myrun", "myrun"]}
+    assert cfg.rollout.stop == ["myrun", "myrun"]
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
