@@ -77,11 +77,9 @@ def check_combinations(cfg: Config) -> None:
             "reward_aggregation='normalize_then_sum' (GDPO) defines the whole advantage; it needs "
             f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
         )
-    if r.seeding == "per_sample" and cfg.model.type in IMAGE_MODELS:
-        raise ValueError(
-            "rollout.seeding='per_sample' is implemented for text rollouts (single- and "
-            "multi-turn); image and video rollouts draw their noise from torch's global RNG"
-        )
+    from grouprl.workloads import refuse_unsupported, workload_of  # imports the modalities
+
+    refuse_unsupported(workload_of(cfg), cfg)  # options the workload cannot honour (one process)
     d = cfg.diffusion
     guard = d is not None and getattr(d.objective, "ratio_norm", "off") == "grpo_guard"
     if guard and not hasattr(a.surrogate, "eps_high"):

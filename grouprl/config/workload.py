@@ -4,10 +4,8 @@
 from outside grouprl counts as well). The workload's `settings` model, when it has one, validates
 its own top-level section: `agent:` for agent, `diffusion:` for images (the names older configs
 used), `NAME:` for any other workload. A config carries only its workload's section; another
-workload's section is an error naming it.
-
-TRANSITIONAL: until `import grouprl.workloads` registers text / agent / images itself,
-BUILTIN_SETTINGS stands in for those three (delete it when they are registered).
+workload's section is an error naming it. The registry is imported when a config is validated
+(importing grouprl.workloads registers text / agent / images).
 """
 
 from __future__ import annotations
@@ -18,16 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from grouprl.config.agent import AgentConfig
-from grouprl.config.diffusion import DiffusionConfig
 from grouprl.config.section import Section
 
-# TRANSITIONAL (see module docstring): the built-in workloads' settings before they are registered
-BUILTIN_SETTINGS: dict[str, type[BaseModel] | None] = {
-    "text": None,
-    "agent": AgentConfig,
-    "images": DiffusionConfig,
-}
 # the sections whose name is not the workload's (kept from older configs)
 SECTION_NAMES = {"images": "diffusion"}
 # sections of built-in workloads that are fields of Config (None when another workload runs)
@@ -60,10 +50,8 @@ def workload_settings_model(workload: str) -> type[BaseModel] | None:
     the known ones."""
     registry = registered_workloads()
     if workload in registry:
-        return getattr(registry[workload], "settings", None)
-    if workload in BUILTIN_SETTINGS:
-        return BUILTIN_SETTINGS[workload]
-    known = sorted({*registry, *BUILTIN_SETTINGS})
+        return registry[workload].settings
+    known = sorted(registry)
     close = difflib.get_close_matches(str(workload), known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"unknown workload {workload!r}: known are {', '.join(known)}{hint}")

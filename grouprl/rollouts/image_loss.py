@@ -9,7 +9,7 @@ prepare (once per rollout, no grad):
   kl_mode "reward" folds -kl_coef * (mean KL over the trained steps) into the rewards.
 micro_loss (one micro-batch, with grad), keyed by diffusion.objective:
 - "policy_gradient": objectives.total_loss unchanged, its KL replaced by the policy's mean-space
-  Gaussian KL (kl_out = policy.kl(out, ref_out)); with diffusion.ratio_norm "grpo_guard" the
+  Gaussian KL (kl_out = policy.kl(out, ref_out)); with diffusion.objective.ratio_norm "grpo_guard" the
   policy term is objectives.flow_guard.guard_step_loss (RatioNorm + 1/dt, arXiv 2510.22319) scaled
   to the update's global count, plus the same KL term. Per-step ratio diagnostics are logged
   (policies.flow_math.ratio_diagnostics: ratio/step{k}/mean, /std, /clip_frac).
@@ -17,7 +17,7 @@ micro_loss (one micro-batch, with grad), keyed by diffusion.objective:
   reference / EMA weights without grad) at forward-noised copies x_t = (1 - t) x0 + t eps of the
   final samples, t drawn from the rollout's sigma schedule (objectives.flow_support).
 after_update: the old (NFT) / EMA (AWM) weights follow the trained ones, w <- d w + (1 - d) theta,
-with d from diffusion.ema_decay at the current training step.
+with d from diffusion.objective.ema_decay at the current training step.
 
 Deviations: AWM's "old" log-likelihood is the current weights' (on-policy, as its code) also when
 epochs > 1. With full fine-tuning a resumed run restarts the old / EMA weights from the current ones
@@ -42,6 +42,7 @@ from grouprl.objectives.flow.support import (
 )
 from grouprl.objectives.group_stats import batch_std
 from grouprl.policies.flow.gaussian import ratio_diagnostics
+from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout
@@ -69,11 +70,10 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
     """Fill advantages (and old / reference scores) on the rollout; return reward metrics."""
     a, d = cfg.algorithm, cfg.diffusion
     batch, chunk = rollout.actions, cfg.train.micro_batch_size
-    single_pass = a.epochs == 1 and a.minibatches == 1
     metrics: dict[str, float] = {}
     if not likelihood_free(cfg):
         current = None
-        if cfg.rollout.old_logp == "recompute" and not single_pass:
+        if recompute_old(cfg):
             current = _score(policy, batch, chunk)
             rollout.old_logp = current.logp  # [N, K]
             if batch.old_mean is not None:
