@@ -266,3 +266,14 @@ def test_task_options_are_typed_per_task():
         validate({**TEXT, "task": {"name": "math"}})
     with pytest.raises(ConfigError, match=r"unknown task 'arithmatic'.*did you mean 'arithmetic'"):
         validate({**TEXT, "task": {"name": "arithmatic"}})
+
+
+def test_the_json_schema_shows_the_typed_parts_in_both_modes():
+    import json
+
+    from grouprl.config import Config
+
+    for mode in ("validation", "serialization"):
+        schema = json.dumps(Config.model_json_schema(mode=mode))
+        for name in ("SapoSurrogate", "AwmObjective", "SlidingWindowSteps", "ImageModelConfig"):
+            assert name in schema, (mode, name)

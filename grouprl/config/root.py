@@ -48,6 +48,8 @@ from grouprl.config.workload import (
 
 
 class Config(Section):
+    """The run configuration: one typed section per component (module docstring)."""
+
     run: RunConfig = Field(default_factory=RunConfig, description="Run name, folders, seed.")
     workload: WorkloadConfig = Field(
         default_factory=WorkloadConfig, description="The workload and so the section it reads."
@@ -109,7 +111,7 @@ class Config(Section):
         return self
 
     @model_serializer(mode="wrap")
-    def _with_workload_section(self, handler: Any, info: Any) -> dict:
+    def _with_workload_section(self, handler, info):  # unannotated: the schema stays Config's
         out = handler(self)
         if not isinstance(out, dict):
             return out
