@@ -1,4 +1,5 @@
-"""Command line: `grouprl train CONFIG.yaml [dotted.key=value ...]` (also `python -m grouprl`)."""
+"""Command line: `grouprl train CONFIG.yaml [dotted.key=value ...]`, `grouprl eval CONFIG_OR_RUN`
+(also `python -m grouprl`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,43 @@ def _train(args: argparse.Namespace) -> int:
         elif "reward" in metrics:  # images: the mean weighted reward, in the reward's own units
             print(f"held-out reward {when}: {metrics['reward']:.4f}")
     print(f"run directory: {result['run_dir']}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """A config file: its model as configured; a run directory: the weights of its newest intact
+    checkpoint under the run's config. Prints the held-out metrics (or one JSON object)."""
+    import json
+    from pathlib import Path
+
+    from grouprl.api import run_evaluation
+    from grouprl.runtime.run_state import finished_run, load_weights
+    from grouprl.train import NOTHING_GIVEN, Given
+    from grouprl.workloads import build_policy
+
+    target = Path(args.target)
+    record: dict = {"config": str(target)}
+    if target.is_dir():
+        cfg, ckpt, notes = finished_run(target, args.overrides)
+        for note in notes:
+            print(f"grouprl: {note}", file=sys.stderr)
+
+        def trained(cfg, device):  # the run's policy with the checkpoint's weights
+            policy = build_policy(cfg, device)
+            load_weights(ckpt, policy)
+            return policy
+
+        given = Given(policy=trained)
+        record = {"run_dir": str(target), "checkpoint": str(ckpt)}
+    else:
+        cfg, given = load_config(target, args.overrides), NOTHING_GIVEN
+    metrics, _ = run_evaluation(cfg, given)
+    if args.json:
+        print(json.dumps({**record, "metrics": metrics}))
+    else:
+        print(f"evaluated: {record.get('checkpoint', target)}")
+        for key, value in metrics.items():
+            print(f"{key}: {value:.4f}")
     return 0
 
 
@@ -62,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("config", help="path to the YAML config")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(func=_train)
+    e = sub.add_parser(
+        "eval",
+        help="evaluate on the held-out split: a config's model, or a run's latest checkpoint",
+    )
+    e.add_argument("target", metavar="CONFIG_OR_RUN", help="a YAML config or a run directory")
+    e.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. eval.pass_k=4")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=_eval)
     bench = sub.add_parser(
         "bench", help="run a benchmark of benchmarks/ (table, JSON and PNG in benchmarks/results)"
     )

@@ -12,15 +12,20 @@ from __future__ import annotations
 import faulthandler
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grouprl.config import Config, config_json
+from grouprl.config.loading import (
+    Config,
+    config_json,
+)
 from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
-from grouprl.envs.tasks import build_task
+from grouprl.envs.tasks import TaskData, build_task
 from grouprl.objectives import count_tokens
 from grouprl.objectives.group_losses import GROUP_SURROGATES
 from grouprl.policies.dropout import disable_policy_dropout
@@ -38,10 +43,14 @@ from grouprl.runtime.logging import RunLogger
 from grouprl.runtime.plots import plot_curves
 from grouprl.runtime.reward_guard import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
-from grouprl.runtime.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
+from grouprl.runtime.user_inputs import (
+    check_model_path,
+    enable_crash_traces,
+    user_code_on_path,
+)
 from grouprl.types import Rollout
 from grouprl.workloads import build_policy, build_rewards, refuse_unsupported, workload_of
-from grouprl.workloads.base import Workload
+from grouprl.workloads.base import Parts, Workload
 
 
 class UserCodeExit(RuntimeError):
@@ -258,7 +267,25 @@ MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one mi
 # ---- the loop -----------------------------------------------------------------------------------
 
 
-def train(cfg: Config) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Given:
+    """Parts of a run built by the caller (the Python API's Trainer, `grouprl eval`); the loop
+    builds every other part from the config. Builders rather than objects, so that each runs
+    where its config-made counterpart would (after the seeding, before the run directory is
+    touched).
+
+    task:   cfg -> the task (train / eval examples and the task's reward functions)
+    policy: (cfg, device) -> the policy
+    """
+
+    task: Callable[[Any], TaskData] | None = None
+    policy: Callable[[Any, torch.device], Any] | None = None
+
+
+NOTHING_GIVEN = Given()
+
+
+def train(cfg: Config, given: Given = NOTHING_GIVEN) -> dict[str, Any]:
     """Run the configured training; returns {"before": eval metrics, "after": ..., "run_dir": ...}.
 
     Setup order (the run directory is touched only once everything is built): read-only checks of
@@ -267,22 +294,22 @@ def train(cfg: Config) -> dict[str, Any]:
     (an old run deleted with run.overwrite, the configs written). User modules resolve from the
     working directory (user_inputs.user_code_on_path); SystemExit from user code becomes
     UserCodeExit; a crash of the interpreter (a segfaulting reward) prints every thread's Python
-    stack, naming the function that crashed (faulthandler)."""
+    stack, naming the function that crashed (faulthandler). given: parts built by the caller."""
     with ExitStack() as stack:
         stack.enter_context(user_code_on_path())
         if enable_crash_traces():
             stack.callback(faulthandler.disable)
         try:
-            return _train(cfg, stack)
+            return _train(cfg, stack, given)
         except SystemExit as exc:
             raise UserCodeExit(
-                f"the run stopped: {_exit_origin(exc)} raised SystemExit({exc.code!r}) (e.g. "
+                f"the run stopped: {exit_origin(exc)} raised SystemExit({exc.code!r}) (e.g. "
                 "sys.exit() or exit()) inside the training loop; user code must return or raise "
                 "an exception, never exit the trainer"
             ) from exc
 
 
-def _exit_origin(exc: BaseException) -> str:
+def exit_origin(exc: BaseException) -> str:
     """'function f (file.py, line 3)' for the innermost frame outside grouprl, torch and the
     standard library: the user code that raised."""
     import sysconfig
@@ -298,7 +325,7 @@ def _exit_origin(exc: BaseException) -> str:
     return f"function {f.name!r} ({f.filename}, line {f.lineno})"
 
 
-def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
+def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one a person should read
@@ -313,14 +340,14 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     seed_everything(cfg.run.seed)
     device = dist.device_for(cfg.run.device)
 
-    task = build_task(cfg.task.name, **cfg.task.options)
+    task = given.task(cfg) if given.task else build_task(cfg.task.name, **cfg.task.options)
     reward_fns, weights = build_rewards(cfg, task)
     reward_fns = isolate_rewards(
         reward_fns, isolation_settings(cfg.rewards), fail_fast=cfg.run.fail_fast
     )  # rewards with a timeout_s run per sample in workers with a deadline
-    stack.callback(_close_all, reward_fns)  # isolated rewards: their workers and descendants end
+    stack.callback(close_rewards, reward_fns)  # isolated rewards: their workers and descendants end
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
-    policy = build_policy(cfg, device)
+    policy = given.policy(cfg, device) if given.policy else build_policy(cfg, device)
     if cfg.train.disable_dropout:
         _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
@@ -328,7 +355,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
     if kind.capabilities.prompt_guard:  # over-long prompts: filter / truncate / error
         task.train, eval_examples = apply_prompt_guard(cfg, policy, task.train, eval_examples)
-    workload = kind.build(cfg, policy=policy, reward_fns=reward_fns, weights=weights, dist=dist)
+    workload = kind(Parts(cfg, policy, reward_fns, weights, dist))
     sampler = build_sampler(cfg, task.train)
     if dist.is_main:  # everything is built: only now is the run directory touched
         claim_run_dir(cfg, changes)
@@ -413,7 +440,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
             "accuracy_key": workload.accuracy_key()}  # fmt: skip
 
 
-def _close_all(reward_fns: dict) -> None:
+def close_rewards(reward_fns: dict) -> None:
     """Stop the worker processes of isolated rewards (and everything they started)."""
     for fn in reward_fns.values():
         close = getattr(fn, "close", None)

@@ -207,6 +207,12 @@ def validate(raw: dict) -> Config:
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or start empty with path None) and apply dotted overrides."""
+    return validate(read_config(path, overrides))
+
+
+def read_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The mapping a YAML config (or {} for path None) plus dotted overrides hold, not validated
+    (the Python API completes it with the parts it was given as objects)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -219,7 +225,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         raw = load_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return validate(apply_overrides(raw, list(overrides)))
+    return apply_overrides(raw, list(overrides))
 
 
 def save_resolved(cfg: Config, path: Path, header: str = "") -> None:

@@ -13,6 +13,7 @@ from grouprl.workloads.base import (
     WORKLOADS,
     Capabilities,
     Collected,
+    Parts,
     Workload,
     refuse_unsupported,
     register,
@@ -52,10 +53,8 @@ def build_workload(
     """The config's workload over built parts (one process unless `dist` says otherwise)."""
     from grouprl.runtime.distributed import SINGLE
 
-    return workload_of(cfg).build(
-        cfg, policy=policy, reward_fns=reward_fns or {}, weights=weights or {},
-        dist=SINGLE if dist is None else dist,
-    )  # fmt: skip
+    parts = Parts(cfg, policy, reward_fns or {}, weights or {}, SINGLE if dist is None else dist)
+    return workload_of(cfg)(parts)
 
 
 def build_rewards(cfg: Any, task: Any) -> tuple[dict, dict[str, float]]:
@@ -67,6 +66,7 @@ __all__ = [
     "WORKLOADS",
     "Capabilities",
     "Collected",
+    "Parts",
     "Workload",
     "build_policy",
     "build_rewards",

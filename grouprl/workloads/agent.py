@@ -9,7 +9,6 @@ token-in / token-out by rollouts/multi_turn.py over the text environments of env
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -25,13 +24,12 @@ from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
 from grouprl.runtime.env_guard import EnvGuard
 from grouprl.types import LossOutput, Rollout
-from grouprl.workloads.base import Capabilities, Collected, register
+from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.text import causal_lm_policy, sampling_params
 from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
 @register
-@dataclass
 class AgentWorkload:
     """See the module docstring."""
 
@@ -39,11 +37,9 @@ class AgentWorkload:
     capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, per_sample_seeding=True)
     settings: ClassVar[type] = AgentConfig
 
-    cfg: Any
-    policy: Any
-    reward_fns: dict
-    weights: dict[str, float]
-    dist: Any
+    def __init__(self, parts: Parts) -> None:
+        self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
+        self.params = sampling_params(parts.cfg)  # the environment gives the rewards
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:
@@ -55,13 +51,6 @@ class AgentWorkload:
         if cfg.rewards:
             raise ValueError("task 'env' takes its rewards from the environment; remove `rewards`")
         return {}, {"return": 1.0}
-
-    @classmethod
-    def build(cls, cfg: Any, *, policy: Any, reward_fns: dict, weights: dict, dist: Any):
-        return cls(cfg, policy, reward_fns, weights, dist)
-
-    def __post_init__(self) -> None:
-        self.params = sampling_params(self.cfg)
 
     def max_len(self) -> int:
         return self.cfg.agent.max_total_tokens  # a whole episode's tokens

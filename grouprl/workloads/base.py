@@ -10,6 +10,7 @@ A new modality is a new module with a class satisfying `Workload`, plus one `reg
         name = "mine"
         capabilities = Capabilities(multi_process=True)
         settings = MySettings            # a pydantic model: the config section `mine:`, or None
+        def __init__(self, parts: Parts): ...   # the built cfg, policy, rewards, processes
         ...
 
 What a workload cannot do is declared in `capabilities`; `refuse_unsupported` (the one place that
@@ -65,6 +66,25 @@ class Collected:
     first_errors: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Parts:
+    """What the loop builds before the workload, which works over them.
+
+    cfg:        the run's Config
+    policy:     the trained policy (wrapped for several processes when there are several)
+    reward_fns: name -> batched reward function (isolated ones run in workers); {} when the
+                environment gives the rewards
+    weights:    name -> weight in the combined reward
+    dist:       this process's place among the trainer processes (runtime/distributed)
+    """
+
+    cfg: Any
+    policy: Policy
+    reward_fns: dict
+    weights: dict[str, float]
+    dist: Any
+
+
 class Workload(Protocol):
     """One modality's part of a training step (see the module docstring)."""
 
@@ -82,12 +102,8 @@ class Workload(Protocol):
         """Reward functions (name -> batched function) and their weights for this task."""
         ...
 
-    @classmethod
-    def build(
-        cls, cfg: Any, *, policy: Policy, reward_fns: dict, weights: dict[str, float], dist: Any
-    ) -> Workload:
-        """The workload over the built parts (rewards may be wrapped in isolation workers; the
-        policy may be wrapped for several processes)."""
+    def __init__(self, parts: Parts) -> None:
+        """The workload over the parts the loop built (see Parts)."""
         ...
 
     def max_len(self) -> int:

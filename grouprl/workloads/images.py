@@ -9,7 +9,6 @@ weights): rollouts/image_loss.py. One process (no multi_process capability), glo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -19,12 +18,11 @@ from grouprl.config.diffusion import DiffusionConfig
 from grouprl.rollouts import image_loss, images
 from grouprl.runtime.build import build_rewards
 from grouprl.types import LossOutput, Rollout
-from grouprl.workloads.base import Capabilities, Collected, register
+from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.text import accuracy_key
 
 
 @register
-@dataclass
 class ImagesWorkload:
     """See the module docstring."""
 
@@ -32,11 +30,9 @@ class ImagesWorkload:
     capabilities: ClassVar[Capabilities] = Capabilities(curriculum=True)
     settings: ClassVar[type] = DiffusionConfig
 
-    cfg: Any
-    policy: Any
-    reward_fns: dict
-    weights: dict[str, float]
-    dist: Any
+    def __init__(self, parts: Parts) -> None:  # one process: parts.dist is SINGLE
+        self.cfg, self.policy = parts.cfg, parts.policy
+        self.reward_fns, self.weights = parts.reward_fns, parts.weights
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:
@@ -47,10 +43,6 @@ class ImagesWorkload:
     @classmethod
     def build_rewards(cls, cfg: Any, task: Any) -> tuple[dict, dict[str, float]]:
         return build_rewards(cfg, task, required=False)
-
-    @classmethod
-    def build(cls, cfg: Any, *, policy: Any, reward_fns: dict, weights: dict, dist: Any):
-        return cls(cfg, policy, reward_fns, weights, dist)
 
     def max_len(self) -> int:
         return self.cfg.diffusion.rollout_steps  # the denoising steps of one image

@@ -8,14 +8,14 @@ evaluation = greedy accuracy and pass@k on the held-out split (below).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from grouprl.envs.rewards import RewardFn
-from grouprl.policies.text.causal_lm import CausalLMPolicy
+from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
 from grouprl.rollouts.batching import single_pass
@@ -23,25 +23,39 @@ from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
 from grouprl.types import LossOutput, Rollout
-from grouprl.workloads.base import Capabilities, Collected, register
+from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.tokens import prepare, token_micro_loss
 
 
-def causal_lm_policy(cfg: Any, device: torch.device) -> CausalLMPolicy:
-    """model: -> CausalLMPolicy (transformers), its engine from rollout.engine."""
+def causal_lm_policy(
+    cfg: Any, device: torch.device, loaded: tuple[Any, Any] | None = None
+) -> CausalLMPolicy:
+    """model: -> CausalLMPolicy, its engine from rollout.engine; loaded: (transformers model,
+    tokenizer) given from Python (the Python API) instead of model.name_or_path, in the dtype
+    model.dtype names."""
     m = cfg.model
-    policy = CausalLMPolicy.from_pretrained(
-        m.name_or_path,
-        dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code,
+    settings = dict(
         lora=m.lora.model_dump() if m.lora else None,
         gradient_checkpointing=m.gradient_checkpointing,
         logprob_chunk_size=m.logprob_chunk_size,
         logprob_path=m.logprob_path,
         # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
         need_reference=cfg.algorithm.kl_coef > 0,
-        engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
     )
+    if loaded is not None and cfg.rollout.engine not in LOCAL_ENGINES:
+        raise ValueError(
+            f"rollout.engine={cfg.rollout.engine!r} loads the model from model.name_or_path; a "
+            f"model given as an object samples with one of {sorted(LOCAL_ENGINES)}"
+        )
+    engine = TEXT_ENGINES[cfg.rollout.engine](cfg, device)
+    if loaded is not None:
+        model, tokenizer = loaded
+        policy = CausalLMPolicy(model, tokenizer, compute_dtype=m.dtype, engine=engine, **settings)
+    else:
+        policy = CausalLMPolicy.from_pretrained(
+            m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
+            **settings,
+        )  # fmt: skip
     return policy.to(device)
 
 
@@ -73,7 +87,6 @@ TEXT_ENGINES = {
 
 
 @register
-@dataclass
 class TextWorkload:
     """See the module docstring. reward_fns: name -> batched reward function; weights: their
     weights in the combined reward."""
@@ -85,11 +98,10 @@ class TextWorkload:
     )  # fmt: skip
     settings: ClassVar[None] = None
 
-    cfg: Any
-    policy: Any
-    reward_fns: dict
-    weights: dict[str, float]
-    dist: Any
+    def __init__(self, parts: Parts) -> None:
+        self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
+        self.reward_fns = parts.reward_fns  # name -> batched function
+        self.params = sampling_params(parts.cfg)
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> CausalLMPolicy:
@@ -98,13 +110,6 @@ class TextWorkload:
     @classmethod
     def build_rewards(cls, cfg: Any, task: Any) -> tuple[dict, dict[str, float]]:
         return build_rewards(cfg, task, required=True)
-
-    @classmethod
-    def build(cls, cfg: Any, *, policy: Any, reward_fns: dict, weights: dict, dist: Any):
-        return cls(cfg, policy, reward_fns, weights, dist)
-
-    def __post_init__(self) -> None:
-        self.params = sampling_params(self.cfg)
 
     def max_len(self) -> int:
         return self.cfg.rollout.max_new_tokens  # one completion
