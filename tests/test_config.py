@@ -67,11 +67,29 @@ def test_required_keys_are_named():
 # ---- presets -----------------------------------------------------------------------------------
 
 
+def for_preset(name: str) -> dict:
+    """A minimal config of the workload the preset is for (its section settings name it)."""
+    sections = {key.split(".")[0] for key in preset_settings(name, sections=True)}
+    if "diffusion" in sections:
+        return {
+            "workload": {"type": "images"},
+            "model": {"name_or_path": "tiny", "type": "flow"},
+            "task": {"name": "image_prompts"},
+        }
+    if "agent" in sections:
+        return {
+            "workload": {"type": "agent"},
+            "model": {"name_or_path": "tiny"},
+            "task": {"name": "env", "options": {"env_id": "grouprl/FrozenLake-v0"}},
+        }
+    return minimal()
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_applies_its_settings(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no preset may trip its own combination checks
-        cfg = validate(with_algorithm(preset=name))
+        cfg = validate({**for_preset(name), "algorithm": {"preset": name}})
     settings = preset_settings(name)
     assert settings, name
     for key, value in settings.items():

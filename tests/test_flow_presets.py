@@ -154,7 +154,8 @@ def test_a_text_preset_leaves_the_diffusion_section_alone():
 
 
 def test_a_flow_preset_in_a_text_config_fills_no_diffusion_section():
-    cfg = validate({**TEXT, "algorithm": {"preset": "flow_grpo"}})
+    with pytest.warns(UserWarning, match=r"sets diffusion\.objective.*workload 'text' does not"):
+        cfg = validate({**TEXT, "algorithm": {"preset": "flow_grpo"}})
     assert cfg.diffusion is None and "diffusion" not in cfg.model_dump()
     assert cfg.algorithm.surrogate.eps_high == 1e-4  # the algorithm part still applies
 

@@ -139,7 +139,8 @@ class Config(Section):
 def apply_preset_sections(data: dict) -> dict:
     """Preset settings for other sections ("rollout.group_size") fill fields left unset; a
     mapping ("model.lora") fills the keys missing from the user's mapping (null stays null).
-    A section the workload does not have (agent, diffusion) takes none of them."""
+    Settings for a section the workload does not have (agent, diffusion) are left out, with a
+    warning naming them."""
     if not isinstance(data, dict):
         return data
     algo = data.get("algorithm") or {}
@@ -147,11 +148,12 @@ def apply_preset_sections(data: dict) -> dict:
         return data
     data = dict(data)
     name = algo.get("preset", "grpo")
-    blocked = []
+    blocked, unused = [], []
     for key, value in preset_settings(name, sections=True).items():
         section, field = key.split(".", 1)
-        if section in ("agent", "diffusion") and data.get(section) is None:
-            continue  # another workload's section (split_sections set the workload's own)
+        if section in BUILTIN_SECTIONS and data.get(section) is None:
+            unused.append(key)  # another workload's section (split_sections set the workload's own)
+            continue
         current = data.get(section) or {}
         if not isinstance(current, dict):
             continue
@@ -170,6 +172,13 @@ def apply_preset_sections(data: dict) -> dict:
             data[section] = {**current, field: value}
         elif not _same(current[field], value):
             blocked.append((key, value, current[field]))
+    if unused:
+        workload = (data.get("workload") or {}).get("type")
+        warnings.warn(
+            f"algorithm.preset={name!r} sets {', '.join(unused)}, which workload {workload!r} does "
+            "not have; those settings are not used (the preset's algorithm settings are)",
+            stacklevel=2,
+        )
     if blocked:
         warnings.warn(
             f"algorithm.preset={name!r} cannot apply all its settings: the config sets "
