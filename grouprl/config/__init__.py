@@ -18,6 +18,7 @@ from grouprl.config.loading import (
     save_run_config,
     validate,
 )
+from grouprl.config.migration import ConfigDeprecation
 from grouprl.config.root import Config
 from grouprl.config.surrogates import SURROGATE_MODELS
 
@@ -26,6 +27,7 @@ __all__ = [
     "AgentConfig",
     "AlgorithmConfig",
     "Config",
+    "ConfigDeprecation",
     "ConfigError",
     "DiffusionConfig",
     "apply_overrides",
