@@ -150,8 +150,14 @@ def test_a_text_config_carries_no_image_or_agent_fields():
 @pytest.mark.parametrize(
     "extra, key",
     [
-        ({"agent": {"max_turns": 3}}, "section 'agent' applies to workload 'agent' only"),
-        ({"diffusion": {"noise_level": 0.5}}, "section 'diffusion' applies to workload 'images'"),
+        (
+            {"agent": {"max_turns": 3}},
+            r"section 'agent' \(agent\.max_turns\) applies to workload 'agent' only",
+        ),
+        (
+            {"diffusion": {"noise_level": 0.5}},
+            r"section 'diffusion' \(diffusion\.noise_level\) applies to workload 'images'",
+        ),
         (
             {"model": {"name_or_path": "x", "negative_prompt": "blurry"}},
             "unknown key 'model.negative_prompt'",
@@ -236,7 +242,7 @@ def test_a_workload_registered_outside_grouprl_brings_its_own_section(toy, tmp_p
     with pytest.raises(ConfigError, match=r"toy\.width: .*greater than or equal to 1"):
         validate({**raw, "toy": {"width": 0}})
     with pytest.raises(ConfigError, match="section 'agent' applies to workload 'agent' only"):
-        validate({**raw, "agent": {}})
+        validate({**raw, "agent": {}})  # an empty section is refused too
     assert quiet({**TEXT, "workload": {"type": "toy"}}).workload_settings == ToySettings()
     with pytest.raises(ConfigError, match="unknown key 'toy'"):  # only the toy workload has it
         validate({**TEXT, "toy": {"width": 5}})

@@ -69,9 +69,11 @@ def split_sections(data: dict) -> tuple[dict, str | None, Any]:
     for key in BUILTIN_SECTIONS:
         if key in data and key != own and data[key] is not None:
             owner = next(w for w in (*SECTION_NAMES, "agent") if section_name(w) == key)
+            keys = list(data[key]) if isinstance(data[key], dict) else []
+            named = f" ({', '.join(f'{key}.{k}' for k in keys)})" if keys else ""
             raise ValueError(
-                f"section {key!r} applies to workload {owner!r} only; this config's workload is "
-                f"{name!r} (remove `{key}:`, or set workload: {{type: {owner}}})"
+                f"section {key!r}{named} applies to workload {owner!r} only; this config's "
+                f"workload is {name!r} (remove `{key}:`, or set workload: {{type: {owner}}})"
             )
     if own is None or own in BUILTIN_SECTIONS:
         data = dict(data)
