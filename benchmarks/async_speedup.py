@@ -92,6 +92,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
     raw = {
         "run": {"name": a.worker, "output_dir": str(run_root), "seed": 0, "device": "cpu",
                 "console": False, "num_threads": a.threads},
+        "workload": {"type": "text"},
         "model": {"name_or_path": a.model_dir},
         "task": {"name": "arithmetic", "options": {"n_train": 2000, "n_eval": 1}},
         "rewards": [{"name": f"{SCRIPT}:digit_reward"}],

@@ -65,6 +65,7 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
         rollout["engine"] = a.engine
     cfg = Config.model_validate(
         dict(
+            workload=dict(type="text"),
             model=dict(name_or_path=str(a.model_dir)),
             task=dict(name="arithmetic", options=dict(seed=a.seed)),
             rollout=rollout,

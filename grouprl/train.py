@@ -157,7 +157,7 @@ def update(
     scaler = scaler if scaler is not None else LossScaler(False)
     a = cfg.algorithm
     single_pass = is_single_pass(cfg)  # pi_old = the update's own detached forward
-    whole_groups = a.surrogate in GROUP_SURROGATES  # a group-level loss never splits a group
+    whole_groups = a.surrogate.type in GROUP_SURROGATES  # a group-level loss never splits a group
     shares: dict[str, float] = {}  # loss terms: summed over micro-batches of an update
     means: dict[str, float] = {}  # per-micro-batch statistics: averaged
     norms: list[float] = []

@@ -7,8 +7,8 @@ import warnings
 import pytest
 import yaml
 
+from grouprl.config.algorithm import AlgorithmConfig
 from grouprl.config.loading import (
-    AlgorithmConfig,
     Config,
     ConfigError,
     apply_overrides,
@@ -21,7 +21,11 @@ from grouprl.config.presets import PRESETS, preset_settings
 
 def minimal() -> dict:
     """The smallest valid raw config: the two required sections with their required keys."""
-    return {"model": {"name_or_path": "tiny"}, "task": {"name": "arithmetic"}}
+    return {
+        "workload": {"type": "text"},
+        "model": {"name_or_path": "tiny"},
+        "task": {"name": "arithmetic"},
+    }
 
 
 def with_algorithm(**fields) -> dict:
@@ -63,14 +67,38 @@ def test_required_keys_are_named():
 # ---- presets -----------------------------------------------------------------------------------
 
 
+def for_preset(name: str) -> dict:
+    """A minimal config of the workload the preset is for (its section settings name it)."""
+    sections = {key.split(".")[0] for key in preset_settings(name, sections=True)}
+    if "diffusion" in sections:
+        return {
+            "workload": {"type": "images"},
+            "model": {"name_or_path": "tiny", "type": "flow"},
+            "task": {"name": "image_prompts"},
+        }
+    if "agent" in sections:
+        return {
+            "workload": {"type": "agent"},
+            "model": {"name_or_path": "tiny"},
+            "task": {"name": "env", "options": {"env_id": "grouprl/FrozenLake-v0"}},
+        }
+    return minimal()
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_applies_its_settings(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no preset may trip its own combination checks
-        cfg = validate(with_algorithm(preset=name))
+        cfg = validate({**for_preset(name), "algorithm": {"preset": name}})
     settings = preset_settings(name)
     assert settings, name
     for key, value in settings.items():
+        if key == "surrogate":  # a mapping: its type and knobs
+            assert cfg.algorithm.surrogate.model_dump() == {
+                **cfg.algorithm.surrogate.model_dump(),
+                **value,
+            }, name
+            continue
         assert getattr(cfg.algorithm, key) == value, (name, key)
     assert cfg.algorithm.preset == name
 
@@ -88,12 +116,16 @@ def test_fields_a_preset_leaves_out_keep_the_defaults(name):
 def test_explicit_fields_override_the_preset():
     # dapo sets eps_high 0.28, token_mean and zero_variance; the user's values win
     cfg = validate(
-        with_algorithm(preset="dapo", eps_high=0.5, aggregation="seq_mean_token_mean", epochs=2)
+        with_algorithm(
+            preset="dapo", surrogate={"eps_high": 0.5}, aggregation="seq_mean_token_mean", epochs=2
+        )
     )
     a = cfg.algorithm
-    assert (a.eps_high, a.aggregation, a.epochs) == (0.5, "seq_mean_token_mean", 2)
+    assert (a.surrogate.eps_high, a.aggregation, a.epochs) == (0.5, "seq_mean_token_mean", 2)
     # the rest of the preset still applies
-    assert (a.eps_low, a.dynamic_sampling, a.overlong_shaping) == (0.2, "zero_variance", "soft")
+    assert (a.surrogate.eps_low, a.dynamic_sampling, a.overlong_shaping) == (
+        0.2, "zero_variance", "soft"
+    )  # fmt: skip
     assert a.max_sampling_rounds == 10
 
 
@@ -101,8 +133,9 @@ def test_differing_presets_really_differ():
     # guards against a validator that ignores `preset`: gspo's clip range is not grpo's
     grpo = validate(with_algorithm(preset="grpo")).algorithm
     gspo = validate(with_algorithm(preset="gspo")).algorithm
-    assert (grpo.ratio_level, grpo.eps_low, grpo.eps_high) == ("token", 0.2, 0.2)
-    assert (gspo.ratio_level, gspo.eps_low, gspo.eps_high) == ("sequence", 3e-4, 4e-4)
+    g, s = grpo.surrogate, gspo.surrogate
+    assert (grpo.ratio_level, g.eps_low, g.eps_high) == ("token", 0.2, 0.2)
+    assert (gspo.ratio_level, s.eps_low, s.eps_high) == ("sequence", 3e-4, 4e-4)
 
 
 def test_unknown_preset_names_the_nearest():
@@ -114,14 +147,18 @@ def test_unknown_preset_names_the_nearest():
 
 
 def test_load_config_with_dotted_overrides(tmp_path):
-    raw = {**minimal(), "algorithm": {"eps_high": 0.3}, "train": {"lr": 1e-3, "steps": 7}}
+    raw = {
+        **minimal(),
+        "algorithm": {"surrogate": {"eps_high": 0.3}},
+        "train": {"lr": 1e-3, "steps": 7},
+    }
     path = write_yaml(tmp_path, raw)
     cfg = load_config(path, ["algorithm.preset=dapo", "train.lr=1e-4", "rollout.stop=['\\n']"])
     # the overridden preset fills unset fields; the YAML's explicit eps_high still wins
     assert cfg.algorithm.preset == "dapo"
     assert cfg.algorithm.aggregation == "token_mean"
     assert cfg.algorithm.dynamic_sampling == "zero_variance"
-    assert cfg.algorithm.eps_high == 0.3
+    assert cfg.algorithm.surrogate.eps_high == 0.3
     # PyYAML reads 1e-4 as a string (YAML 1.1 wants a dot); pydantic turns it into the float
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.train.steps == 7  # untouched keys of an overridden section stay
@@ -165,14 +202,18 @@ def test_unknown_top_level_key_names_the_nearest():
         validate({**minimal(), "algorithim": {}})
     msg = str(err.value)
     assert "unknown key 'algorithim'; did you mean 'algorithm'?" in msg
-    assert "valid keys here: run, model, task" in msg
+    assert "valid keys here: run, workload, model, task" in msg
 
 
 @pytest.mark.parametrize(
     "raw_patch, where, nearest",
     [
         ({"model": {"name_or_path": "tiny", "lora": {"rr": 4}}}, "model.lora.rr", "r"),
-        ({"algorithm": {"eps_hgih": 0.3}}, "algorithm.eps_hgih", "eps_high"),
+        (
+            {"algorithm": {"surrogate": {"type": "clip", "eps_hgih": 0.3}}},
+            "algorithm.surrogate.eps_hgih",
+            "eps_high",
+        ),
         ({"rollout": {"groupsize": 4}}, "rollout.groupsize", "group_size"),
         ({"rewards": [{"name": "accuracy", "wieght": 2.0}]}, "rewards.0.wieght", "weight"),
     ],
@@ -274,7 +315,7 @@ def test_save_resolved_round_trips(tmp_path):
         "model": {"name_or_path": "tiny", "lora": {"r": 4}},
         "rewards": [{"name": "accuracy", "weight": 2.0, "options": {"k": [1, 2]}}],
         "rollout": {"stop": ["\n", "</answer>"], "group_size": 4},
-        "algorithm": {"preset": "dapo", "eps_high": 0.3},
+        "algorithm": {"preset": "dapo", "surrogate": {"eps_high": 0.3}},
         "train": {"betas": [0.8, 0.95]},
     }
     cfg = validate(raw)
@@ -284,7 +325,9 @@ def test_save_resolved_round_trips(tmp_path):
     written = yaml.safe_load(out.read_text())
     # every preset value is spelled out, so the file no longer depends on the preset table
     assert written["algorithm"]["dynamic_sampling"] == "zero_variance"
-    assert written["algorithm"]["eps_high"] == 0.3
+    assert written["algorithm"]["surrogate"] == {
+        "type": "clip", "eps_low": 0.2, "eps_high": 0.3, "dual_clip_c": None
+    }  # fmt: skip
     assert written["run"]["seed"] == 0
     again = load_config(out)
     assert again == cfg
@@ -310,28 +353,28 @@ def test_empty_yaml_file_is_an_empty_mapping(tmp_path):
     path.write_text("")
     with pytest.raises(ConfigError, match="missing required key 'model'"):
         load_config(path)
-    cfg = load_config(path, ["model.name_or_path=tiny", "task.name=math"])
-    assert cfg.task.name == "math"
+    cfg = load_config(path, ["model.name_or_path=tiny", "task.name=countdown"])
+    assert cfg.task.name == "countdown"
 
 
 def test_run_config_files_keep_what_the_user_set_apart_from_what_was_filled(tmp_path):
     from grouprl.config.loading import save_run_config, user_settings
 
-    raw = {**minimal(), "algorithm": {"preset": "dapo", "eps_high": 0.3},
+    raw = {**minimal(), "algorithm": {"preset": "dapo", "surrogate": {"eps_high": 0.3}},
            "run": {"resume": True, "output_dir": str(tmp_path)}, "train": {"betas": (0.8, 0.9)}}  # fmt: skip
     cfg = validate(raw)
     cfg.train.lr = 0.5  # changed on the object after validation: also the user's
     assert user_settings(cfg) == {
-        **minimal(), "algorithm": {"preset": "dapo", "eps_high": 0.3},
+        **minimal(), "algorithm": {"preset": "dapo", "surrogate": {"eps_high": 0.3}},
         "run": {"resume": True, "output_dir": str(tmp_path)}, "train": {"betas": [0.8, 0.9], "lr": 0.5},
     }  # fmt: skip
     save_run_config(cfg, tmp_path)
     mine = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert "resume" not in mine["run"]  # per-invocation flags are not settings of the run
-    assert mine["algorithm"] == {"preset": "dapo", "eps_high": 0.3}
+    assert mine["algorithm"] == {"preset": "dapo", "surrogate": {"eps_high": 0.3}}
     resolved = yaml.safe_load((tmp_path / "config.resolved.yaml").read_text())
     assert resolved["algorithm"]["dynamic_sampling"] == "zero_variance"
     again = load_config(tmp_path / "config.yaml", ["run.resume=true"])
     assert again == cfg
     other = load_config(tmp_path / "config.yaml", ["algorithm.preset=grpo"])
-    assert other.algorithm.dynamic_sampling == "off" and other.algorithm.eps_high == 0.3
+    assert other.algorithm.dynamic_sampling == "off" and other.algorithm.surrogate.eps_high == 0.3

@@ -31,6 +31,7 @@ def module_cfg(out_dir, *overrides, name="run"):
     raw = {
         "run": {"name": name, "output_dir": str(out_dir), "seed": 0, "device": "cpu",
                 "console": False},
+        "workload": {"type": "images"},
         "model": {"type": "flow", "name_or_path": "grouprl.demos.velocity:ShapesVelocityNet",
                   "module_options": NET, "condition": "class_label", "null_label": 12,
                   "lora": None},
@@ -169,10 +170,10 @@ def test_unet_type_needs_the_ddim_sampler(tmp_path, sd1_dir):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (("diffusion.ratio_norm=grpo_guard", "algorithm.epochs=2"), "guard/ratio_mean"),
+        (("diffusion.objective.ratio_norm=grpo_guard", "algorithm.epochs=2"), "guard/ratio_mean"),
         (("algorithm.kl_mode=reward",), "reward/kl_penalty"),
         (("algorithm.preset=diffusion_nft", "diffusion.rollout_steps=4"), "old_weights/decay"),
-        (("algorithm.preset=awm", "diffusion.rollout_steps=6", "diffusion.lf_timesteps=2"),
+        (("algorithm.preset=awm", "diffusion.rollout_steps=6", "diffusion.objective.timesteps=2"),
          "fm_mse"),
         (("algorithm.preset=dance_grpo", "diffusion.rollout_steps=4"), "ratio/mean"),
     ],
@@ -191,7 +192,7 @@ def test_objective_paths_train(tmp_path, overrides, expected):
 def test_mixgrpo_window_moves_with_the_optimizer_step(tmp_path):
     cfg = module_cfg(
         tmp_path, "algorithm.preset=mix_grpo", "diffusion.rollout_steps=5",
-        "diffusion.window_size=2", "diffusion.window_shift_every=2",
+        "diffusion.train_steps.window_size=2", "diffusion.train_steps.shift_every=2",
     )  # fmt: skip
     policy = build_policy(cfg, torch.device("cpu"))
     task = build_task(cfg.task.name, **cfg.task.options)
@@ -298,7 +299,7 @@ def test_prepare_clips_advantages_at_adv_clip_max(tmp_path):
 
 def test_likelihood_free_mask_marks_the_candidate_timesteps(tmp_path):
     cfg = module_cfg(tmp_path, "algorithm.preset=awm", "diffusion.rollout_steps=10",
-                     "diffusion.lf_timesteps=3")  # fmt: skip
+                     "diffusion.objective.timesteps=3")  # fmt: skip
     mask = images.lf_mask(cfg, 2, 10)  # sigma indices 1 .. floor(0.9 * 10) = 9 -> steps 0..8
     assert mask.tolist() == [[True] * 9 + [False]] * 2
 
@@ -306,7 +307,7 @@ def test_likelihood_free_mask_marks_the_candidate_timesteps(tmp_path):
 def test_grpo_guard_loss_is_invariant_to_the_micro_batch_split(tmp_path):
     """The guard term is scaled by each micro-batch's share of the update's trained steps, so
     accumulating 4 micro-batches of 2 gives the full batch's gradient (and the same AdamW step)."""
-    guard = ("diffusion.ratio_norm=grpo_guard", "train.max_grad_norm=null")
+    guard = ("diffusion.objective.ratio_norm=grpo_guard", "train.max_grad_norm=null")
     train(module_cfg(tmp_path / "full", *guard))
     train(module_cfg(tmp_path / "micro", *guard, "train.micro_batch_size=2"))
     full, micro = final_state(tmp_path / "full" / "run"), final_state(tmp_path / "micro" / "run")

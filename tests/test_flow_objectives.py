@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grouprl.config.loading import DiffusionConfig
+from grouprl.config.diffusion import DiffusionConfig
 from grouprl.objectives.flow.losses import (
     LIKELIHOOD_FREE,
     awm_log_likelihood,
@@ -309,7 +309,7 @@ def test_decays_by_hand():
 
 
 def test_config_options_reach_the_losses():
-    d = DiffusionConfig(objective="awm", sampler="ode", awm_clip=0.5, awm_ema_coef=1.0)
+    d = DiffusionConfig(objective={"type": "awm", "clip": 0.5, "ema_coef": 1.0}, sampler="ode")
     opts = likelihood_free_options(d)
     assert opts == {
         "clip": 0.5, "weighting": "ghuber", "p": 0.25, "adv_max": 1.0, "ema_coef": 1.0,
@@ -317,6 +317,7 @@ def test_config_options_reach_the_losses():
     }  # fmt: skip
     x0, noise, t, v, v_old = _rand()
     awm_loss(v, x0, noise, t, torch.ones(3), v_ema=v_old, **opts)  # every key is a keyword
-    nft = likelihood_free_options(DiffusionConfig(objective="diffusion_nft", nft_beta=0.1))
+    nft_cfg = DiffusionConfig(objective={"type": "diffusion_nft", "beta": 0.1}, sampler="ode")
+    nft = likelihood_free_options(nft_cfg)
     assert nft == {"beta": 0.1, "adv_clip_max": 5.0}
     nft_loss(v, x0, noise, t, torch.ones(3), **nft)

@@ -5,6 +5,7 @@ selection, shared noise, denoising reduction, CFG at training, forward noising, 
 import pytest
 import torch
 
+from grouprl.config.surrogates import ClipSurrogate
 from grouprl.objectives import compute_advantages
 from grouprl.objectives.objective import count_tokens, total_loss
 from grouprl.policies.flow.policy import FlowPolicy, latent_shape_for
@@ -357,9 +358,8 @@ def _train_step(pol, cond, steps=None):
     adv = compute_advantages("grpo", r.rewards, r.group_ids, weights={"redness": 1.0},
                              reward_aggregation="sum_then_normalize", scale="group", eps=1e-4)  # fmt: skip
     algo = SimpleNamespace(
-        ratio_level="token", surrogate="clip", eps_low=1e-4, eps_high=1e-4, dual_clip_c=None,
-        aggregation="token_mean", sapo_tau_pos=1.0, sapo_tau_neg=1.05, clip_cov_ratio=2e-4,
-        clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=1.0, kl_coef=0.04,
+        ratio_level="token", surrogate=ClipSurrogate(eps_low=1e-4, eps_high=1e-4),
+        aggregation="token_mean", kl_coef=0.04,
         kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, top_entropy_quantile=1.0,
         engine_correction="none", engine_correction_max=2.0, engine_correction_min=0.0,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grouprl.config.loading import Config, ConfigError, load_config, validate
-from grouprl.config.sections import RewardConfig
+from grouprl.config.rewards import RewardConfig
 
 FUZZ = settings(max_examples=250, deadline=5000, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip

@@ -2,12 +2,21 @@
 and the gradient-accumulation invariance (micro-batches with global counts == one big batch)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from grouprl.config.surrogates import (
+    CispoSurrogate,
+    ClipCovSurrogate,
+    ClipSurrogate,
+    KlCovSurrogate,
+    ReinforceSurrogate,
+    SapoSurrogate,
+)
 from grouprl.objectives.aggregation import local_counts
-from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
+from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, ClipRange, policy_loss
 
 F64 = torch.float64
 
@@ -66,7 +75,10 @@ def test_ppo_clip_negative_advantage():
 def test_clip_higher_asymmetric():
     # eps_low 0.2, eps_high 0.28: for A > 0, rho 1.25 is inside, rho 1.3 is clipped at 1.28
     loss, grad, _ = _run(
-        [[math.log(1.25), math.log(1.3)]], [[0.0, 0.0]], [2.0], eps_low=0.2, eps_high=0.28
+        [[math.log(1.25), math.log(1.3)]],
+        [[0.0, 0.0]],
+        [2.0],
+        surrogate=ClipSurrogate(eps_low=0.2, eps_high=0.28),
     )
     assert loss == pytest.approx(-(2 * 1.25 + 2 * 1.28) / 2)
     torch.testing.assert_close(grad, _t([[-2 * 1.25 / 2, 0.0]]))
@@ -83,7 +95,12 @@ def test_clip_boundaries(side):
     step = 1e-6 if side == "high" else -1e-6
     cases = {"at": 0.0, "inside": -step, "outside": step}
     for name, shift in cases.items():
-        loss, grad, m = _run([[logp0.item() + shift]], [[0.0]], [adv], eps_low=eps, eps_high=eps)
+        loss, grad, m = _run(
+            [[logp0.item() + shift]],
+            [[0.0]],
+            [adv],
+            surrogate=ClipSurrogate(eps_low=eps, eps_high=eps),
+        )
         r = math.exp(logp0.item() + shift)
         if name == "outside":
             assert grad.item() == 0.0, name
@@ -99,12 +116,16 @@ def test_dual_clip():
     rho = [0.5, 2.0, 4.0]
     # A = -1, c = 3: PPO l = max(rho, 0.8) = [0.8, 2.0, 4.0]; dual: min(l, -A c = 3) = [0.8, 2, 3]
     # mean = 5.8 / 3; gradient only on the middle token: rho / 3 = 2 / 3
-    loss, grad, m = _run([[math.log(r) for r in rho]], [[0.0] * 3], [-1.0], dual_clip_c=3.0)
+    loss, grad, m = _run(
+        [[math.log(r) for r in rho]], [[0.0] * 3], [-1.0], surrogate=ClipSurrogate(dual_clip_c=3.0)
+    )
     assert loss == pytest.approx(5.8 / 3)
     torch.testing.assert_close(grad, _t([[0.0, 2.0 / 3, 0.0]]))
     assert m["dual_clip_frac"] == pytest.approx(1 / 3)
     # positive advantages are untouched by the dual clip: -min(rho, 1.2) = [-0.5, -1.2, -1.2]
-    loss, _, m = _run([[math.log(r) for r in rho]], [[0.0] * 3], [1.0], dual_clip_c=3.0)
+    loss, _, m = _run(
+        [[math.log(r) for r in rho]], [[0.0] * 3], [1.0], surrogate=ClipSurrogate(dual_clip_c=3.0)
+    )
     assert loss == pytest.approx(-2.9 / 3) and m["dual_clip_frac"] == 0.0
 
 
@@ -112,9 +133,11 @@ def test_dual_clip_errors():
     args = (_leaf([[0.0]]), _t([[0.0]]), _t([1.0]), torch.ones(1, 1, dtype=torch.bool))
     for bad in (1.0, 0.5):
         with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
-            policy_loss(*args, dual_clip_c=bad)
+            policy_loss(*args, surrogate=ClipRange(0.2, 0.2, dual_clip_c=bad))
     with pytest.raises(ValueError, match="dual_clip_c applies"):
-        policy_loss(*args, dual_clip_c=3.0, surrogate="cispo")
+        policy_loss(*args, surrogate=ClipSurrogate(dual_clip_c=3.0), ratio_level="geometric")
+    with pytest.raises(ValueError, match="dual_clip_c"):  # cispo has no dual clip at all
+        CispoSurrogate(dual_clip_c=3.0)
 
 
 # ------------------------------------------------------------------------- other surrogates
@@ -125,7 +148,7 @@ def test_cispo_every_token_keeps_a_gradient():
     # weights sg(clip(rho, 0.8, 1.2)) = [0.8, 1.0, 1.2]; l = -w * A * logp; grad = -w * A / 3
     rho = [0.5, 1.0, 1.5]
     logp = [-1 + math.log(r) for r in rho]
-    loss, grad, m = _run([logp], [[-1.0] * 3], [1.0], surrogate="cispo")
+    loss, grad, m = _run([logp], [[-1.0] * 3], [1.0], surrogate=CispoSurrogate())
     w = [0.8, 1.0, 1.2]
     assert loss == pytest.approx(sum(-wi * lp for wi, lp in zip(w, logp)) / 3)
     torch.testing.assert_close(grad, _t([[-0.8 / 3, -1.0 / 3, -1.2 / 3]]))
@@ -136,23 +159,23 @@ def test_cispo_every_token_keeps_a_gradient():
 def test_sapo_values_and_on_policy_gradient():
     # rho = 1: sigma(0) = 1/2, l = -(4 / tau) * 1/2 * A: A=+1, tau_pos=1 -> -2; A=-1, tau_neg=1.05
     # -> +2/1.05. The gradient at rho = 1 is -(4/tau) sigma'(0) tau rho A = -A (on-policy PG).
-    loss, grad, _ = _run([[0.3], [0.7]], [[0.3], [0.7]], [1.0, -1.0], surrogate="sapo")
+    loss, grad, _ = _run([[0.3], [0.7]], [[0.3], [0.7]], [1.0, -1.0], surrogate=SapoSurrogate())
     assert loss == pytest.approx((-2.0 + 2.0 / 1.05) / 2)
     torch.testing.assert_close(grad, _t([[-0.5], [0.5]]))
     # rho = 2, A = +1: -(4/1) sigmoid(1 * (2 - 1)) = -4 sigmoid(1)
     sig1 = 1 / (1 + math.exp(-1))
-    loss, grad, _ = _run([[math.log(2.0)]], [[0.0]], [1.0], surrogate="sapo")
+    loss, grad, _ = _run([[math.log(2.0)]], [[0.0]], [1.0], surrogate=SapoSurrogate())
     assert loss == pytest.approx(-4 * sig1)
     # d/dlogp = -(4/tau) sig(1)(1 - sig(1)) tau rho A = -4 * sig1 * (1 - sig1) * 2
     assert grad.item() == pytest.approx(-8 * sig1 * (1 - sig1))
     # tau by sign of A: rho = 2, A = -1, tau_neg = 2 -> +(4/2) sigmoid(2)
-    loss, _, _ = _run([[math.log(2.0)]], [[0.0]], [-1.0], surrogate="sapo", sapo_tau_neg=2.0)
+    loss, _, _ = _run([[math.log(2.0)]], [[0.0]], [-1.0], surrogate=SapoSurrogate(tau_neg=2.0))
     assert loss == pytest.approx(2 / (1 + math.exp(-2)))
 
 
 def test_reinforce_no_ratio():
     # l = -A logp = [2, 4] with A = 2, logp = [-1, -2]; mean 3; gradient -A / 2 = -1
-    loss, grad, _ = _run([[-1.0, -2.0]], [[-5.0, 0.0]], [2.0], surrogate="reinforce")
+    loss, grad, _ = _run([[-1.0, -2.0]], [[-5.0, 0.0]], [2.0], surrogate=ReinforceSurrogate())
     assert loss == pytest.approx(3.0)
     torch.testing.assert_close(grad, _t([[-1.0, -1.0]]))
 
@@ -169,7 +192,7 @@ def test_clip_cov_detaches_the_band_tokens():
     # ratio 0.5 -> max(1, int(0.5 * 4)) = 2 picks: both band tokens lose their gradient.
     # value unchanged: token mean of -A * 1 = (-2 - 2 + 2 + 2) / 4 = 0
     loss, grad, m = _run(
-        COV_LOGP, COV_LOGP, COV_ADV, surrogate="clip_cov", clip_cov_ratio=0.5,
+        COV_LOGP, COV_LOGP, COV_ADV, surrogate=ClipCovSurrogate(ratio=0.5),
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     assert loss == pytest.approx(0.0)
@@ -180,7 +203,7 @@ def test_clip_cov_detaches_the_band_tokens():
 def test_clip_cov_random_pick_is_seeded_and_skips_ppo_clipped():
     picks = set()
     for seed in range(20):
-        kw = dict(surrogate="clip_cov", clip_cov_ratio=2e-4)  # -> max(1, 0) = 1 token
+        kw = dict(surrogate=ClipCovSurrogate(ratio=2e-4))  # -> max(1, 0) = 1 token
         _, g1, _ = _run(
             COV_LOGP, COV_LOGP, COV_ADV, generator=torch.Generator().manual_seed(seed), **kw
         )
@@ -194,7 +217,7 @@ def test_clip_cov_random_pick_is_seeded_and_skips_ppo_clipped():
     assert picks == {(0, 1), (1, 0)}  # both band tokens get picked for some seed
     # make (0, 1) PPO-clipped (A = +2, rho = 2 > 1.2): the one pick must be (1, 0)
     old = [[-1.0, -3.0 - math.log(2.0)], [-5.0, -8.0]]
-    _, grad, _ = _run(COV_LOGP, old, COV_ADV, surrogate="clip_cov", clip_cov_ratio=0.5)
+    _, grad, _ = _run(COV_LOGP, old, COV_ADV, surrogate=ClipCovSurrogate(ratio=0.5))
     assert grad[1, 0] == 0 and grad[0, 1] == 0  # (0, 1) clipped by PPO, (1, 0) by clip_cov
     assert grad[0, 0] != 0 and grad[1, 1] != 0
 
@@ -204,13 +227,13 @@ def test_kl_cov_penalises_the_top_covariance_token():
     # l = -A rho (+ coef |0.1| on (1, 1)): [-2r, -2r, 2r, 2r + 0.1] -> sum 0.1, mean 0.025
     # gradients: -A r / 4, plus coef * sign(0.1) / 4 on (1, 1)
     old = [[v - 0.1 for v in row] for row in COV_LOGP]
-    loss, grad, m = _run(COV_LOGP, old, COV_ADV, surrogate="kl_cov", kl_cov_ratio=0.25)
+    loss, grad, m = _run(COV_LOGP, old, COV_ADV, surrogate=KlCovSurrogate(ratio=0.25))
     r = math.exp(0.1)
     assert loss == pytest.approx(0.025)
     torch.testing.assert_close(grad, _t([[-2 * r / 4, -2 * r / 4], [2 * r / 4, (2 * r + 1) / 4]]))
     assert m["kl_cov_frac"] == 0.25
     # no clipping in kl_cov: rho = e^1 with A > 0 keeps its full -A rho gradient
-    _, grad, _ = _run([[1.0]], [[0.0]], [1.0], surrogate="kl_cov", kl_cov_coef=0.0)
+    _, grad, _ = _run([[1.0]], [[0.0]], [1.0], surrogate=KlCovSurrogate(coef=0.0))
     assert grad.item() == pytest.approx(-math.e)
 
 
@@ -223,7 +246,7 @@ def test_gspo_sequence_ratio_value_and_per_token_gradient():
     # gradient per token: -A * s * 1 / 2 tokens (sg(log s) + logp - sg(logp) has d/dlogp = 1)
     loss, grad, m = _run(
         [[0.1, 0.3, 9.0]], [[0.0, 0.0, 0.0]], [1.0], mask=[[True, True, False]],
-        ratio_level="sequence", eps_low=1.0, eps_high=1.0,
+        ratio_level="sequence", surrogate=ClipSurrogate(eps_low=1.0, eps_high=1.0),
     )  # fmt: skip
     s = math.exp(0.2)
     assert loss == pytest.approx(-s)
@@ -237,7 +260,11 @@ def test_gspo_token_form_gradient_follows_token_advantages():
     # gradient is -A_t s / 2 = [-s, 0]. (Differentiating the sequence ratio itself would give
     # -(2 s + 0) / 2 * 1/2 = -s/2 on both tokens: the token form is what GSPO-token / verl use.)
     loss, grad, _ = _run(
-        [[0.1, 0.3]], [[0.0, 0.0]], [[2.0, 0.0]], ratio_level="sequence", eps_low=1.0, eps_high=1.0
+        [[0.1, 0.3]],
+        [[0.0, 0.0]],
+        [[2.0, 0.0]],
+        ratio_level="sequence",
+        surrogate=ClipSurrogate(eps_low=1.0, eps_high=1.0),
     )
     s = math.exp(0.2)
     assert loss == pytest.approx(-s)
@@ -265,7 +292,7 @@ def test_gmpo_formula():
     for agg in ("token_mean", "seq_mean_token_sum"):  # the aggregation mode is ignored
         loss, grad, m = _run(
             logp, [[0.0] * 3] * 2, [1.0, -1.0], mask=mask, ratio_level="geometric",
-            eps_low=0.4, eps_high=0.4, aggregation=agg,
+            surrogate=ClipSurrogate(eps_low=0.4, eps_high=0.4), aggregation=agg,
         )  # fmt: skip
         assert loss == pytest.approx(-(r0 - r1) / 2)
         torch.testing.assert_close(grad, _t([[-r0 / 4, 0.0, 0.0], [0.0, r1 / 4, 0.0]]))
@@ -274,7 +301,7 @@ def test_gmpo_formula():
     # global num_seqs: mean over 4 sequences instead of 2
     loss, _, _ = _run(
         logp, [[0.0] * 3] * 2, [1.0, -1.0], mask=mask, ratio_level="geometric",
-        eps_low=0.4, eps_high=0.4, num_seqs=4,
+        surrogate=ClipSurrogate(eps_low=0.4, eps_high=0.4), num_seqs=4,
     )  # fmt: skip
     assert loss == pytest.approx(-(r0 - r1) / 4)
 
@@ -284,7 +311,11 @@ def test_gmpo_zero_advantage_tokens_drop_out_of_the_ratio():
     # R = exp(0.2 / 2) = e^0.1; A_i = (1 + 0) / 2 = 0.5; L = -0.5 e^0.1 over 1 sequence
     # gradient: token 0 -0.5 e^0.1 / 2, token 1 none (its c is the constant 0)
     loss, grad, _ = _run(
-        [[0.2, 0.3]], [[0.0, 0.0]], [[1.0, 0.0]], ratio_level="geometric", eps_low=0.4, eps_high=0.4
+        [[0.2, 0.3]],
+        [[0.0, 0.0]],
+        [[1.0, 0.0]],
+        ratio_level="geometric",
+        surrogate=ClipSurrogate(eps_low=0.4, eps_high=0.4),
     )
     assert loss == pytest.approx(-0.5 * math.exp(0.1))
     torch.testing.assert_close(grad, _t([[-0.25 * math.exp(0.1), 0.0]]))
@@ -307,7 +338,7 @@ def test_gmpo_token_weights_become_a_geometric_mean_sequence_weight():
 def test_gmpo_only_with_clip():
     args = (_leaf([[0.0]]), _t([[0.0]]), _t([1.0]), torch.ones(1, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="geometric"):
-        policy_loss(*args, ratio_level="geometric", surrogate="sapo")
+        policy_loss(*args, ratio_level="geometric", surrogate=SapoSurrogate())
 
 
 # ------------------------------------------------------------------------ weights and metrics
@@ -318,7 +349,7 @@ def test_token_weights_multiply_per_token_loss():
     logp = _leaf([[-1.0, -1.0, -1.0]])
     out = policy_loss(
         logp, _t([[0.0] * 3]), _t([1.0]), torch.ones(1, 3, dtype=torch.bool),
-        surrogate="reinforce", token_weights=_t([[0.5, 0.0, 2.0]]),
+        surrogate=ReinforceSurrogate(), token_weights=_t([[0.5, 0.0, 2.0]]),
     )  # fmt: skip
     out.loss.backward()
     assert out.loss.item() == pytest.approx(2.5 / 3)
@@ -340,7 +371,9 @@ def test_approx_kl_is_k3_of_old_vs_new():
 
 
 def test_huge_log_ratio_is_clamped():
-    loss, grad, m = _run([[50.0]], [[0.0]], [-1.0], eps_low=0.2, eps_high=0.2)
+    loss, grad, m = _run(
+        [[50.0]], [[0.0]], [-1.0], surrogate=ClipSurrogate(eps_low=0.2, eps_high=0.2)
+    )
     assert math.isfinite(loss) and loss == pytest.approx(math.exp(20))  # -A * e^20
     assert grad.item() == 0.0  # beyond the clamp the ratio is constant
 
@@ -348,7 +381,9 @@ def test_huge_log_ratio_is_clamped():
 def test_input_errors():
     logp, mask = _leaf([[0.0, 0.0]]), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="did you mean 'clip'"):
-        policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, surrogate="clips")
+        policy_loss(
+            logp, _t([[0.0, 0.0]]), _t([1.0]), mask, surrogate=SimpleNamespace(type="clips")
+        )
     with pytest.raises(ValueError, match="ratio level"):
         policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, ratio_level="tokens")
     with pytest.raises(ValueError, match="advantages"):
@@ -357,10 +392,12 @@ def test_input_errors():
         policy_loss(logp, _t([[0.0]]), _t([1.0]), mask)
     with pytest.raises(TypeError, match="bool"):
         policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask.float())
-    with pytest.raises(ValueError, match="kl_cov_ratio"):
-        policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, surrogate="kl_cov", kl_cov_ratio=0.0)
+    # specs built in code skip the config's range checks; policy_loss checks them itself
+    bad_ratio = KlCovSurrogate.model_construct(ratio=0.0)
+    with pytest.raises(ValueError, match="kl_cov ratio"):
+        policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, surrogate=bad_ratio)
     with pytest.raises(ValueError, match="eps_low"):
-        policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, eps_low=-0.1)
+        policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, surrogate=ClipRange(-0.1, 0.2))
     with pytest.raises(ValueError, match="token_weights"):
         policy_loss(logp, _t([[0.0, 0.0]]), _t([1.0]), mask, token_weights=_t([[1.0]]))
 
@@ -368,13 +405,13 @@ def test_input_errors():
 # ----------------------------------------------------------------- masking and invariances
 
 CONFIGS = [
-    dict(ratio_level="token", surrogate="clip", eps_low=0.2, eps_high=0.28, dual_clip_c=3.0),
-    dict(ratio_level="token", surrogate="cispo", eps_low=10.0, eps_high=0.2),
-    dict(ratio_level="token", surrogate="sapo"),
-    dict(ratio_level="token", surrogate="reinforce"),
-    dict(ratio_level="sequence", surrogate="clip", eps_low=0.05, eps_high=0.05),
-    dict(ratio_level="sequence", surrogate="sapo"),
-    dict(ratio_level="geometric", surrogate="clip", eps_low=0.1, eps_high=0.1),
+    dict(ratio_level="token", surrogate=ClipSurrogate(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)),
+    dict(ratio_level="token", surrogate=CispoSurrogate(eps_low=10.0, eps_high=0.2)),
+    dict(ratio_level="token", surrogate=SapoSurrogate()),
+    dict(ratio_level="token", surrogate=ReinforceSurrogate()),
+    dict(ratio_level="sequence", surrogate=ClipSurrogate(eps_low=0.05, eps_high=0.05)),
+    dict(ratio_level="sequence", surrogate=SapoSurrogate()),
+    dict(ratio_level="geometric", surrogate=ClipSurrogate(eps_low=0.1, eps_high=0.1)),
 ]
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 MAX_LEN = 8
@@ -400,18 +437,14 @@ def _loss_and_grad(logp, old, adv, mask, weights, **kw):
 
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate']}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate'].type}")
 def test_micro_batches_with_global_counts_equal_one_big_batch(cfg, agg):
     logp, old, adv, mask, w = _batch()
     tokens, seqs = local_counts(mask)
     kw = dict(cfg, aggregation=agg, max_len=MAX_LEN)
     full, full_grad = _loss_and_grad(logp, old, adv, mask, w, **kw)
-    assert full.metrics["clip_frac_low"] + full.metrics["clip_frac_high"] > 0 or cfg[
-        "surrogate"
-    ] in (
-        "sapo",
-        "reinforce",
-    )  # the batch really exercises the clip
+    clipped = full.metrics["clip_frac_low"] + full.metrics["clip_frac_high"]
+    assert clipped > 0 or cfg["surrogate"].type in ("sapo", "reinforce")  # the clip is exercised
     leaf = logp.clone().requires_grad_(True)
     total = 0.0
     for rows in ([0, 1], [2], [3, 4, 5, 6]):
@@ -426,7 +459,7 @@ def test_micro_batches_with_global_counts_equal_one_big_batch(cfg, agg):
     torch.testing.assert_close(leaf.grad, full_grad)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate']}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate'].type}")
 def test_permuting_samples_changes_nothing(cfg):
     logp, old, adv, mask, w = _batch(seed=1)
     perm = torch.tensor([4, 0, 6, 2, 1, 5, 3])
@@ -438,20 +471,19 @@ def test_permuting_samples_changes_nothing(cfg):
 
 
 PAD_CONFIGS = CONFIGS + [
-    dict(ratio_level="sequence", surrogate="kl_cov", kl_cov_ratio=0.2),
+    dict(ratio_level="sequence", surrogate=KlCovSurrogate(ratio=0.2)),
     dict(
         ratio_level="token",
-        surrogate="clip_cov",
-        clip_cov_ratio=0.3,
-        clip_cov_lb=-1e9,
-        clip_cov_ub=1e9,
+        surrogate=ClipCovSurrogate(ratio=0.3, lb=-1e9, ub=1e9),
     ),
-    dict(ratio_level="token", surrogate="kl_cov", kl_cov_ratio=0.2),
+    dict(ratio_level="token", surrogate=KlCovSurrogate(ratio=0.2)),
 ]
 
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("cfg", PAD_CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate']}")
+@pytest.mark.parametrize(
+    "cfg", PAD_CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate'].type}"
+)
 def test_padding_columns_and_empty_rows_change_nothing(cfg, agg):
     """Extra NaN-filled padded columns and a fully masked extra row: same loss, same gradients,
     zero (not NaN) gradient on every padded slot."""
@@ -482,7 +514,9 @@ def test_padding_columns_and_empty_rows_change_nothing(cfg, agg):
         assert out.metrics[k] == pytest.approx(v, rel=1e-9), k
 
 
-@pytest.mark.parametrize("cfg", PAD_CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate']}")
+@pytest.mark.parametrize(
+    "cfg", PAD_CONFIGS, ids=lambda c: f"{c['ratio_level']}-{c['surrogate'].type}"
+)
 def test_all_masked_batch_is_zero_with_graph_and_zero_metrics(cfg):
     logp = torch.randn(3, 4, dtype=F64, requires_grad=True)
     mask = torch.zeros(3, 4, dtype=torch.bool)
@@ -511,7 +545,7 @@ def _run32(logp_vals, old_vals):
     old = torch.tensor(old_vals, dtype=torch.float32)
     mask = torch.ones(logp.shape, dtype=torch.bool)
     out = policy_loss(logp, old, torch.tensor([1.0]), mask, ratio_level="sequence",
-                      eps_low=0.2, eps_high=0.2)  # fmt: skip
+                      surrogate=ClipSurrogate(eps_low=0.2, eps_high=0.2))  # fmt: skip
     out.loss.backward()
     return logp.grad, out.metrics
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grouprl.config.surrogates import ClipSurrogate, PmdSurrogate, ReinforceSurrogate, TpoSurrogate
 from grouprl.objectives.advantages import compute_advantages
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.group_losses import pmd_token_loss, tpo_loss
@@ -28,13 +29,11 @@ def _sig(x):
 
 def _algo(**kw):
     base = dict(
-        ratio_level="token", surrogate="clip", eps_low=0.2, eps_high=0.2, dual_clip_c=None,
-        sapo_tau_pos=1.0, sapo_tau_neg=1.05, clip_cov_ratio=2e-4, clip_cov_lb=1.0,
-        clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=1.0, aggregation="token_mean",
+        ratio_level="token", surrogate=ClipSurrogate(), aggregation="token_mean",
         kl_coef=0.0, kl_estimator="k1", kl_mode="loss", entropy_coef=0.0,
         top_entropy_quantile=1.0, engine_correction="none", engine_correction_max=2.0,
         engine_correction_min=0.0,
-    )  # fmt: skip  # no pg_coef / pmd_tau / tpo_eta: old config objects must keep working
+    )  # fmt: skip  # no pg_coef: config objects without it must keep working
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -71,7 +70,7 @@ def test_pmd_hand_computed_seq_mean_token_mean():
     logp = _t([[0.1, 0.2]]).requires_grad_(True)
     mask = torch.ones(1, 2, dtype=torch.bool)
     out = policy_loss(
-        logp, _t([[0.0, 0.0]]), _t([0.5]), mask, surrogate="pmd", pmd_tau=0.1,
+        logp, _t([[0.0, 0.0]]), _t([0.5]), mask, surrogate=PmdSurrogate(tau=0.1),
         aggregation="seq_mean_token_mean",
     )  # fmt: skip
     assert out.loss.item() == pytest.approx(0.55225)
@@ -85,7 +84,7 @@ def test_pmd_seq_mean_token_sum_norm_is_mean_over_lmax():
     logp = _t([[0.1, 0.2], [-0.1, 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
     out = policy_loss(
-        logp, torch.zeros(2, 2, dtype=F64), _t([0.5, -0.5]), mask, surrogate="pmd", pmd_tau=0.1,
+        logp, torch.zeros(2, 2, dtype=F64), _t([0.5, -0.5]), mask, surrogate=PmdSurrogate(tau=0.1),
         aggregation="seq_mean_token_sum_norm", max_len=4,
     )  # fmt: skip
     assert out.loss.item() == pytest.approx(0.288125)
@@ -97,7 +96,7 @@ def test_pmd_first_gradient_equals_reinforce_seq_mean_token_mean():
     # at logp == old, d loss / d logp_it = -A_i / (N |o_i|), the GRPO-style policy gradient
     _, mask, old, _, adv = _random_batch()
     grads = []
-    for surrogate in ("pmd", "reinforce"):
+    for surrogate in (PmdSurrogate(), ReinforceSurrogate()):
         logp = old.clone().requires_grad_(True)
         policy_loss(
             logp, old, adv, mask, surrogate=surrogate, aggregation="seq_mean_token_mean"
@@ -115,23 +114,27 @@ def test_pmd_micro_batch_split_and_padding():
             width = max(int(lengths[rows].max()), 1)
             return policy_loss(
                 logp[rows, :width], old[rows, :width], adv[rows], mask[rows, :width],
-                surrogate="pmd", aggregation=agg, **counts,
+                surrogate=PmdSurrogate(), aggregation=agg, **counts,
             ).loss  # fmt: skip
 
         _split_equals_full(fn, logp0, ([0, 1], [2], [3, 4, 5]))
     nan_pad = old.masked_fill(~mask, float("nan"))
-    a = policy_loss(logp0, old, adv, mask, surrogate="pmd", aggregation="seq_mean_token_mean")
-    b = policy_loss(logp0, nan_pad, adv, mask, surrogate="pmd", aggregation="seq_mean_token_mean")
+    a = policy_loss(
+        logp0, old, adv, mask, surrogate=PmdSurrogate(), aggregation="seq_mean_token_mean"
+    )
+    b = policy_loss(
+        logp0, nan_pad, adv, mask, surrogate=PmdSurrogate(), aggregation="seq_mean_token_mean"
+    )
     assert a.loss.item() == pytest.approx(b.loss.item())
 
 
 def test_pmd_and_tpo_need_token_ratio_level():
     _, mask, old, logp, adv = _random_batch()
-    for surrogate in ("pmd", "tpo"):
+    for surrogate in (PmdSurrogate(), TpoSurrogate()):
         with pytest.raises(ValueError, match="ratio_level 'token'"):
             policy_loss(logp, old, adv, mask, surrogate=surrogate, ratio_level="sequence")
     with pytest.raises(ValueError, match="pmd_tau"):
-        policy_loss(logp, old, adv, mask, surrogate="pmd", pmd_tau=0.0)
+        policy_loss(logp, old, adv, mask, surrogate=PmdSurrogate.model_construct(tau=0.0))
 
 
 # ----------------------------------------------------------------------------- TPO
@@ -152,7 +155,7 @@ TPO_CE = -(Q0 * math.log(P0) + (1 - Q0) * math.log(1 - P0))
 def test_tpo_hand_computed():
     logp = TPO_OLD.clone().requires_grad_(True)
     out = policy_loss(
-        logp, TPO_OLD, TPO_U, TPO_MASK, surrogate="tpo", group_ids=TPO_GROUPS, tpo_eta=1.0
+        logp, TPO_OLD, TPO_U, TPO_MASK, surrogate=TpoSurrogate(eta=1.0), group_ids=TPO_GROUPS
     )
     assert out.loss.item() == pytest.approx(TPO_CE / 2)  # 2 groups here
     out.loss.backward()
@@ -197,7 +200,9 @@ def test_tpo_empty_rows_permutation_and_padding():
     out = tpo_loss(TPO_OLD[perm], TPO_OLD[perm], TPO_U[perm], TPO_MASK[perm], TPO_GROUPS[perm])
     assert out.loss.item() == pytest.approx(TPO_CE / 2)
     nan_pad = TPO_OLD.masked_fill(~TPO_MASK, float("nan"))
-    out = policy_loss(nan_pad, nan_pad, TPO_U, TPO_MASK, surrogate="tpo", group_ids=TPO_GROUPS)
+    out = policy_loss(
+        nan_pad, nan_pad, TPO_U, TPO_MASK, surrogate=TpoSurrogate(), group_ids=TPO_GROUPS
+    )
     assert out.loss.item() == pytest.approx(TPO_CE / 2)
     # every row empty: 0, finite, backward runs
     logp = TPO_OLD.clone().requires_grad_(True)
@@ -216,7 +221,7 @@ def test_tpo_whole_group_micro_batches_sum_to_the_batch():
     def fn(rows, logp):
         width = max(int(lengths[rows].max()), 1)
         return policy_loss(
-            logp[rows, :width], old[rows, :width], u[rows], mask[rows, :width], surrogate="tpo",
+            logp[rows, :width], old[rows, :width], u[rows], mask[rows, :width], surrogate=TpoSurrogate(),
             group_ids=groups[rows], num_groups=counts["num_groups"],
         ).loss  # fmt: skip
 
@@ -226,15 +231,15 @@ def test_tpo_whole_group_micro_batches_sum_to_the_batch():
 def test_tpo_refusals():
     _, mask, old, logp, adv = _random_batch()
     with pytest.raises(ValueError, match="group_ids"):
-        policy_loss(logp, old, adv, mask, surrogate="tpo")
+        policy_loss(logp, old, adv, mask, surrogate=TpoSurrogate())
     with pytest.raises(ValueError, match="token weights"):
         policy_loss(
-            logp, old, adv, mask, surrogate="tpo", group_ids=torch.zeros(6, dtype=torch.long),
+            logp, old, adv, mask, surrogate=TpoSurrogate(), group_ids=torch.zeros(6, dtype=torch.long),
             token_weights=torch.full_like(old, 0.5),
         )  # fmt: skip
     with pytest.raises(ValueError, match="seq_weights"):
         policy_loss(
-            logp, old, adv, mask, surrogate="tpo", group_ids=torch.zeros(6, dtype=torch.long),
+            logp, old, adv, mask, surrogate=TpoSurrogate(), group_ids=torch.zeros(6, dtype=torch.long),
             seq_weights=torch.ones(6, dtype=F64),
         )  # fmt: skip
     with pytest.raises(ValueError, match="tpo_eta"):
@@ -258,7 +263,10 @@ def test_delta_l_equals_advantage_scaling_of_the_official_code():
     # w_i on the loss == A_i * w_i in a dual-clip PPO loss over the padded [n, L_max] mean
     lengths, mask, old, logp, adv = _random_batch()
     w = delta_l_weights(lengths.double(), 0.75)
-    kw = dict(eps_low=0.2, eps_high=0.3, dual_clip_c=3.0, **count_tokens(mask, max_len=8))
+    kw = dict(
+        surrogate=ClipSurrogate(eps_low=0.2, eps_high=0.3, dual_clip_c=3.0),
+        **count_tokens(mask, max_len=8),
+    )
     ours = policy_loss(logp, old, adv, mask, aggregation="delta_l", seq_weights=w, **kw)
     official = policy_loss(logp, old, adv * w, mask, aggregation="seq_mean_token_sum_norm", **kw)
     assert ours.loss.item() == pytest.approx(official.loss.item(), rel=1e-12)
@@ -312,7 +320,7 @@ def test_token_scales_multiply_the_policy_term_only():
     # (1 + 0.5 + 0 + 0.25) / 4 tokens; the k1 KL (0.5 per token, coef 0.1) is not scaled
     logp = torch.full((1, 4), -1.0, dtype=F64, requires_grad=True)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    algo = _algo(surrogate="reinforce", kl_coef=0.1)
+    algo = _algo(surrogate=ReinforceSurrogate(), kl_coef=0.1)
     scales = torch.tensor([[1.0, 0.5, 0.0, 0.25]])  # float32: cast to logp's dtype
     out = _total(algo, logp, mask, _t([1.0]), token_scales=scales, ref_logp=logp.detach() - 0.5)
     assert out.loss.item() == pytest.approx(1.75 / 4 + 0.05)
@@ -327,7 +335,7 @@ def test_seq_weights_weight_policy_not_kl():
     # KL k1 = 0.5 per token, unit weights, same normaliser: 0.1 * 1.5 / 8
     logp = torch.full((2, 2), -1.0, dtype=F64, requires_grad=True)
     mask = torch.tensor([[True, True], [True, False]])
-    algo = _algo(surrogate="reinforce", aggregation="delta_l", kl_coef=0.1)
+    algo = _algo(surrogate=ReinforceSurrogate(), aggregation="delta_l", kl_coef=0.1)
     out = _total(
         algo, logp, mask, _t([1.0, 2.0]), seq_weights=_t([0.5, 2.0]),
         ref_logp=logp.detach() - 0.5, counts=count_tokens(mask, max_len=4),
@@ -339,7 +347,7 @@ def test_seq_weights_weight_policy_not_kl():
 
 
 def test_tpo_through_total_loss():
-    algo = _algo(surrogate="tpo", tpo_eta=1.0)
+    algo = _algo(surrogate=TpoSurrogate(eta=1.0))
     counts = count_tokens(TPO_MASK, group_ids=TPO_GROUPS)
     out = total_loss(
         PolicyOutput(logp=TPO_OLD.clone()), old_logp=TPO_OLD, advantages=TPO_U, mask=TPO_MASK,

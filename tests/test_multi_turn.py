@@ -426,7 +426,8 @@ def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want)
 
     monkeypatch.setattr(episodes, "collect_episodes", fake_collect)
     monkeypatch.setattr(episodes, "_make_env", lambda ex: CounterEnv)
-    cfg = validate({"model": {"name_or_path": "m"}, "task": {"name": "env"},
+    cfg = validate({"model": {"name_or_path": "m"},
+                    "task": {"name": "env", "options": {"env_id": "x"}},
                     "run": {"seed": 5}, "rollout": {"seeding": seeding}})  # fmt: skip
     examples = [{"env_id": "x", "seed": 0}]
     episodes.collect(cfg, None, examples, SamplingParams(), group_size=2, greedy=greedy)

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grouprl.config.algorithm import AlgorithmConfig
 from grouprl.config.presets import PRESETS, preset_settings
+from grouprl.config.surrogates import ClipSurrogate, ReinforceSurrogate
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.kl import kl_penalty
 from grouprl.objectives.losses import policy_loss
@@ -16,12 +18,10 @@ from grouprl.types import PolicyOutput
 
 F64 = torch.float64
 
-# the `algorithm:` config defaults (brief / grouprl/config/loading.py)
+# the `algorithm:` config defaults (grouprl/config/algorithm.py)
 DEFAULTS = dict(
     preset="grpo", advantage="grpo", scale="group", adv_eps=1e-4,
-    reward_aggregation="sum_then_normalize", ratio_level="token", surrogate="clip",
-    eps_low=0.2, eps_high=0.2, dual_clip_c=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-    clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=1.0,
+    reward_aggregation="sum_then_normalize", ratio_level="token", surrogate=ClipSurrogate(),
     aggregation="token_mean", kl_coef=0.0, kl_estimator="k3", kl_mode="loss",
     entropy_coef=0.0, top_entropy_quantile=1.0, engine_correction="none",
     engine_correction_max=2.0, engine_correction_min=0.0, dynamic_sampling="off",
@@ -131,7 +131,7 @@ def test_engine_correction_and_entropy_mask_weight_the_policy_term():
     engine = _t([[-2.0, -1.0, -1.0, 0.0]])
     mask = torch.ones(1, 4, dtype=torch.bool)
     algo = _algo(
-        surrogate="reinforce", engine_correction="token_truncate", top_entropy_quantile=0.5
+        surrogate=ReinforceSurrogate(), engine_correction="token_truncate", top_entropy_quantile=0.5
     )
     out = total_loss(
         PolicyOutput(logp=logp, entropy=_t([[0.0, 1.0, 2.0, 3.0]])), old_logp=old,
@@ -165,7 +165,9 @@ def test_missing_inputs_fail_loudly():
     with pytest.raises(ValueError, match="kl_mode"):
         total_loss(PolicyOutput(logp=logp), algo=_algo(kl_mode="both"), **common)
     with pytest.raises(ValueError, match="surrogate"):
-        total_loss(PolicyOutput(logp=logp), algo=_algo(surrogate="ppo"), **common)
+        total_loss(
+            PolicyOutput(logp=logp), algo=_algo(surrogate=SimpleNamespace(type="ppo")), **common
+        )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -184,9 +186,9 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
     ent0 = torch.rand(n, t, generator=g, dtype=F64)
     adv = torch.randn(n, generator=g, dtype=F64)
     settings = {**preset_settings(name), "kl_coef": 0.05, "kl_mode": "loss", "entropy_coef": 0.01}
-    if settings.get("surrogate") != "tpo":  # TPO scores whole sequences: it refuses token weights
+    if settings.get("surrogate", {}).get("type") != "tpo":  # TPO refuses token weights
         settings["engine_correction"] = "token_truncate"
-    algo = _algo(**settings)
+    algo = AlgorithmConfig.model_validate({**settings, "preset": name})  # the typed surrogate
     group_ids = torch.tensor([0, 0, 1, 2, 2, 2])  # the micro-batches below hold whole groups
     counts = count_tokens(mask, max_len=8, group_ids=group_ids)
     w = delta_l_weights(lengths.double(), 0.75) if algo.aggregation == "delta_l" else None

@@ -11,7 +11,19 @@ EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
     "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo", "gigpo",
 ]  # fmt: skip
-MINIMAL = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"}}
+MINIMAL = {
+    "workload": {"type": "text"},
+    "model": {"name_or_path": "x"},
+    "task": {"name": "arithmetic"},
+}
+
+
+def resolved(obj, value):
+    """The resolved counterpart of a preset value: for a typed part's mapping (algorithm.surrogate)
+    the typed model's values of the mapping's keys."""
+    if isinstance(value, dict) and hasattr(obj, "model_fields"):
+        return {k: getattr(obj, k) for k in value}
+    return obj
 
 
 def test_preset_names():
@@ -29,11 +41,16 @@ def test_every_setting_is_a_config_field_and_lands_in_the_resolved_config(name):
     settings = preset_settings(name)
     assert "advantage" in settings  # every preset picks its estimator
     for key, value in settings.items():
-        assert getattr(cfg.algorithm, key) == value, (name, key)
-        assert type(getattr(cfg.algorithm, key)) is type(value), (name, key)
+        got = resolved(getattr(cfg.algorithm, key), value)
+        assert got == value, (name, key)
+        assert type(got) is type(value), (name, key)
+        if isinstance(value, dict):
+            assert all(type(got[k]) is type(v) for k, v in value.items()), (name, key)
     for key, value in preset_settings(name, sections=True).items():
         section, field = key.split(".")
-        assert getattr(getattr(cfg, section), field) == value, (name, key)
+        if getattr(cfg, section) is None:  # another workload's section (agent: gigpo)
+            continue
+        assert resolved(getattr(getattr(cfg, section), field), value) == value, (name, key)
 
 
 def test_preset_for_another_section_yields_to_an_explicit_value():
@@ -46,10 +63,8 @@ def test_dapo_exact():
     assert preset_settings("dapo") == {
         "advantage": "grpo",
         "scale": "group",
-        "surrogate": "clip",
+        "surrogate": {"type": "clip", "eps_low": 0.2, "eps_high": 0.28},
         "ratio_level": "token",
-        "eps_low": 0.2,
-        "eps_high": 0.28,
         "aggregation": "token_mean",
         "kl_coef": 0.0,
         "dynamic_sampling": "zero_variance",
@@ -61,37 +76,41 @@ def test_dapo_exact():
 
 
 def test_key_values_of_other_presets():
-    assert preset_settings("grpo")["kl_coef"] == 0.0 and preset_settings("grpo")["eps_high"] == 0.2
+    grpo = preset_settings("grpo")
+    assert grpo["kl_coef"] == 0.0 and grpo["surrogate"]["eps_high"] == 0.2
     assert preset_settings("dr_grpo")["scale"] == "none"
     assert preset_settings("dr_grpo")["aggregation"] == "seq_mean_token_sum_norm"
     gspo = preset_settings("gspo")
-    assert (gspo["ratio_level"], gspo["eps_low"], gspo["eps_high"]) == ("sequence", 3e-4, 4e-4)
-    assert (
-        preset_settings("gmpo")["ratio_level"] == "geometric"
-        and preset_settings("gmpo")["eps_low"] == 0.4
-    )
-    assert (
-        preset_settings("cispo")["surrogate"] == "cispo"
-        and preset_settings("cispo")["eps_low"] == 10.0
-    )
-    assert preset_settings("sapo")["surrogate"] == "sapo"
+    assert (gspo["ratio_level"], gspo["surrogate"]) == (
+        "sequence", {"type": "clip", "eps_low": 3e-4, "eps_high": 4e-4}
+    )  # fmt: skip
+    gmpo = preset_settings("gmpo")
+    assert gmpo["ratio_level"] == "geometric" and gmpo["surrogate"]["eps_low"] == 0.4
+    assert preset_settings("cispo")["surrogate"] == {
+        "type": "cispo",
+        "eps_low": 10.0,
+        "eps_high": 0.2,
+    }
+    assert preset_settings("sapo")["surrogate"] == {"type": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}
     assert (
         preset_settings("rloo")["advantage"] == "rloo"
         and preset_settings("rloo")["kl_mode"] == "reward"
     )
     assert preset_settings("reinforce_pp")["advantage"] == "reinforce_pp_baseline"
     assert (
-        preset_settings("gpg")["surrogate"] == "reinforce"
+        preset_settings("gpg")["surrogate"] == {"type": "reinforce"}
         and preset_settings("gpg")["advantage"] == "gpg"
     )
 
 
 def test_settings_are_copies_and_presets_read_only():
     s = preset_settings("grpo")
-    s["eps_low"] = 0.5
-    assert preset_settings("grpo")["eps_low"] == 0.2
+    s["kl_coef"] = 0.5
+    s["surrogate"]["eps_low"] = 0.5  # a nested mapping is a copy too
+    assert preset_settings("grpo")["kl_coef"] == 0.0
+    assert preset_settings("grpo")["surrogate"]["eps_low"] == 0.2
     with pytest.raises(TypeError):
-        PRESETS["grpo"].settings["eps_low"] = 0.5  # type: ignore[index]
+        PRESETS["grpo"].settings["kl_coef"] = 0.5  # type: ignore[index]
 
 
 def test_unknown_preset_names_nearest():
@@ -103,7 +122,7 @@ def test_unknown_preset_names_nearest():
 def test_config_literals_match_our_registries():
     from typing import get_args
 
-    from grouprl.config.loading import AlgorithmConfig
+    from grouprl.config.algorithm import AlgorithmConfig
     from grouprl.objectives.advantages import ADVANTAGES
     from grouprl.objectives.aggregation import AGGREGATIONS
     from grouprl.objectives.correction import CORRECTIONS
@@ -116,6 +135,8 @@ def test_config_literals_match_our_registries():
     assert allowed("advantage") == set(ADVANTAGES.names())
     assert allowed("kl_estimator") == set(KL_ESTIMATORS.names())
     assert allowed("engine_correction") == set(CORRECTIONS.names())
-    assert allowed("surrogate") == set(SURROGATES.names())
+    from grouprl.config.surrogates import SURROGATE_MODELS
+
+    assert set(SURROGATE_MODELS) == set(SURROGATES.names())  # one typed model per family
     assert allowed("ratio_level") == set(RATIO_LEVELS.names())
     assert allowed("aggregation") == set(AGGREGATIONS.names())

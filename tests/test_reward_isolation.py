@@ -329,7 +329,7 @@ def test_episode_metrics_count_env_errors(monkeypatch):
     policy = CausalLMPolicy(tiny_qwen2(tok), tok, engine=OneReplyEngine(tok))
     modes = iter(["raise", "ok", "ok", "raise"])
     monkeypatch.setattr(episodes, "_make_env", lambda ex: lambda: FlakyEnv(next(modes)))
-    raw = {"model": {"name_or_path": "m"}, "task": {"name": "env"},
+    raw = {"model": {"name_or_path": "m"}, "task": {"name": "env", "options": {"env_id": "x"}},
            "agent": {"max_turns": 2, "max_turn_tokens": 8}}  # fmt: skip
     cfg = validate(raw)
     examples = [{"env_id": "x", "seed": 0}, {"env_id": "x", "seed": 1}]

@@ -81,8 +81,9 @@ def test_resume_refuses_a_changed_config_unless_allowed_and_records_the_change(
 
 
 def test_a_blocked_preset_warns_naming_the_keys():
-    raw = {"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"},
-           "algorithm": {"preset": "two_grpo"}, "rollout": {"group_size": 8}}  # fmt: skip
+    raw = {"workload": {"type": "text"}, "model": {"name_or_path": "x"},
+           "task": {"name": "arithmetic"}, "algorithm": {"preset": "two_grpo"},
+           "rollout": {"group_size": 8}}  # fmt: skip
     with pytest.warns(UserWarning, match=r"two_grpo.*rollout\.group_size=8 \(the preset's: 2\)"):
         cfg = validate(raw)
     assert cfg.rollout.group_size == 8  # the user's value is kept
@@ -103,7 +104,10 @@ def test_a_saved_config_reused_with_another_preset_runs_that_preset(tmp_path, ti
     dapo = validate({"model": {"name_or_path": "x"}, "task": {"name": "arithmetic"},
                      "algorithm": {"preset": "dapo"}}).algorithm  # fmt: skip
     assert cfg.algorithm == dapo  # every DAPO setting, none of GRPO's
-    assert cfg.algorithm.dynamic_sampling == "zero_variance" and cfg.algorithm.eps_high == 0.28
+    assert (
+        cfg.algorithm.dynamic_sampling == "zero_variance"
+        and cfg.algorithm.surrogate.eps_high == 0.28
+    )
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
     assert any("dynamic/rounds" in r for r in rows)  # DAPO's dynamic sampling ran

@@ -159,7 +159,9 @@ def test_tools_from_the_config_resolve_from_the_working_directory(tmp_path, monk
     with pytest.raises(Exception, match="tool_format"):
         validate(apply_overrides(copy.deepcopy(raw), ["agent.tool_format=xml"]))
     single = {"run": raw["run"], "model": raw["model"], "task": {"name": "arithmetic"}}
-    with pytest.raises(Exception, match="apply to multi-turn episodes"):
+    with pytest.raises(
+        Exception, match=r"section 'agent' \(agent\.tools\) applies to workload 'agent'"
+    ):
         validate(apply_overrides(single, ["agent.tools=[my_tools_mod:double]"]))
 
 

@@ -110,7 +110,7 @@ def test_run_writes_every_artifact(tmp_path, tiny_model_dir, reward_file, initia
     assert load_config(run_dir / "config.resolved.yaml") == cfg
     assert "algorithm" not in yaml.safe_load((run_dir / "config.yaml").read_text())
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
-    assert resolved["algorithm"]["surrogate"] == "clip" and resolved["train"]["steps"] == 2
+    assert resolved["algorithm"]["surrogate"]["type"] == "clip" and resolved["train"]["steps"] == 2
 
     rows = read_metrics(run_dir)
     assert [(r["step"], r["split"]) for r in rows] == [

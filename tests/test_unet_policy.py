@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grouprl.config.surrogates import ClipSurrogate
 from grouprl.objectives import compute_advantages
 from grouprl.objectives.objective import count_tokens, total_loss
 from grouprl.policies.flow.tiny import tiny_unet, tiny_vae
@@ -88,9 +89,8 @@ def test_one_train_step():
     adv = compute_advantages("grpo", r.rewards, r.group_ids, weights={"brightness": 1.0},
                              reward_aggregation="sum_then_normalize", scale="group", eps=1e-6)  # fmt: skip
     algo = SimpleNamespace(
-        ratio_level="token", surrogate="clip", eps_low=1e-4, eps_high=1e-4, dual_clip_c=None,
-        aggregation="token_mean", sapo_tau_pos=1.0, sapo_tau_neg=1.05, clip_cov_ratio=2e-4,
-        clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=1.0, kl_coef=0.0,
+        ratio_level="token", surrogate=ClipSurrogate(eps_low=1e-4, eps_high=1e-4),
+        aggregation="token_mean", kl_coef=0.0,
         kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, top_entropy_quantile=1.0,
         engine_correction="none", engine_correction_max=2.0, engine_correction_min=0.0,
     )  # fmt: skip

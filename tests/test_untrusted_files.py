@@ -236,16 +236,16 @@ def test_yaml_alias_bomb_fails_fast_and_normal_anchors_still_work(tmp_path):
         load_config(tmp_path / "loop.yaml")
     (tmp_path / "ok.yaml").write_text(
         "run: {name: &n myrun}\nmodel: {name_or_path: x}\n"
-        "task: {name: arithmetic, options: {tags: [*n, *n]}}\n"
+        "task: {name: arithmetic}\nrollout: {stop: [*n, *n]}\n"
     )
     cfg = load_config(tmp_path / "ok.yaml")
-    assert cfg.task.options == {"tags": ["myrun", "myrun"]}
+    assert cfg.rollout.stop == ["myrun", "myrun"]
 
 
 def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
-    from grouprl.config.loading import _load_yaml
+    from grouprl.config.loading import load_yaml
 
-    data = _load_yaml("r: &r {a: 1, b: [1, 2]}\ns: {<<: *r, c: 3}\nt: [*r, *r]\n")
+    data = load_yaml("r: &r {a: 1, b: [1, 2]}\ns: {<<: *r, c: 3}\nt: [*r, *r]\n")
     assert data["s"] == {"a": 1, "b": [1, 2], "c": 3} and data["t"] == [data["r"], data["r"]]
 
 

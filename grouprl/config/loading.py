@@ -2,9 +2,11 @@
 
 One pydantic model per component, a docstring (description) per field; unknown keys fail with the
 nearest valid key, wrong values with the allowed ones; incompatible settings fail or warn with why.
-The `algorithm.preset` named in config.presets fills every algorithm field the user left unset
-(and the fields of other sections it names, when the config leaves them unset: a preset blocked by
-the config's own values warns, naming the keys).
+The sections and their assembly are in this package, one module per section (root.py: `Config`);
+older spellings are migrated with a warning first (migration.py). The `algorithm.preset` named in
+config.presets fills every algorithm field the user left unset (and the fields of other sections
+it names, when the config leaves them unset: a preset blocked by the config's own values warns,
+naming the keys).
 
 What the user wrote is kept apart from what defaults and the preset filled in: `user_settings(cfg)`
 gives the former (a run's config.yaml), `cfg.model_dump()` the latter (config.resolved.yaml), so a
@@ -18,6 +20,7 @@ import copy
 import difflib
 import json
 import re
+import typing
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -25,170 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 
-from grouprl.config.diffusion import DiffusionConfig
-from grouprl.config.loop import (  # noqa: F401  (re-exported: the public config API)
-    AgentConfig,
-    CheckpointConfig,
-    CurriculumConfig,
-    EvalConfig,
-    TrainConfig,
-)
-from grouprl.config.presets import preset_settings
-from grouprl.config.sections import (  # noqa: F401  (re-exported: the public config API)
-    Advantage,
-    Aggregation,
-    AlgorithmConfig,
-    Correction,
-    LoRAConfig,
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    RunConfig,
-    TaskConfig,
-    _Section,
-)
+from grouprl.config.migration import MigrationError, migrate
+from grouprl.config.root import Config
 
 
 class ConfigError(ValueError):
     """A config problem, with a message a person can act on."""
-
-
-class Config(_Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig
-    task: TaskConfig
-    rewards: list[RewardConfig] = Field(default_factory=list, description="Empty: task defaults.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    diffusion: DiffusionConfig = Field(
-        default_factory=DiffusionConfig, description="Image / video policies only."
-    )
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_preset_sections(cls, data: Any) -> Any:
-        """Preset settings for other sections ("rollout.group_size") fill fields left unset; a
-        mapping ("model.lora") fills the keys missing from the user's mapping (null stays null)."""
-        if not isinstance(data, dict):
-            return data
-        algo = data.get("algorithm") or {}
-        if not isinstance(algo, dict):
-            return data
-        data = dict(data)
-        name = algo.get("preset", "grpo")
-        blocked = []
-        for key, value in preset_settings(name, sections=True).items():
-            section, field = key.split(".", 1)
-            current = data.get(section) or {}
-            if not isinstance(current, dict):
-                continue
-            mine = current.get(field, {})
-            if isinstance(value, Mapping) and isinstance(mine, dict):
-                data[section] = {**current, field: {**value, **mine}}
-                blocked += [(f"{key}.{k}", value[k], mine[k]) for k in value
-                            if k in mine and not _same(mine[k], value[k])]  # fmt: skip
-            elif field not in current:
-                data[section] = {**current, field: value}
-            elif not _same(current[field], value):
-                blocked.append((key, value, current[field]))
-        if blocked:
-            warnings.warn(
-                f"algorithm.preset={name!r} cannot apply all its settings: the config sets "
-                + ", ".join(
-                    f"{k}={_plain(mine)!r} (the preset's: {_plain(v)!r})" for k, v, mine in blocked
-                )  # fmt: skip
-                + " itself; the config's values are kept. Remove those keys from the config to "
-                "run the preset as published",
-                stacklevel=2,
-            )
-        return data
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> Config:
-        check_combinations(self)
-        return self
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.output_dir) / self.run.name
-
-
-def _plain(value: Any) -> Any:
-    """A preset value as YAML shows it (read-only mappings -> dict, tuples -> list)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as config values (a preset's tuple equals the YAML's list)."""
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-_GROUP_BASELINES = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"}
-
-
-def check_combinations(cfg: Config) -> None:
-    """Errors for settings that cannot work together, warnings for ones that rarely make sense."""
-    a, r = cfg.algorithm, cfg.rollout
-    if r.group_size == 1 and a.advantage in _GROUP_BASELINES:
-        raise ValueError(
-            f"rollout.group_size=1 with advantage={a.advantage!r}: every estimator here compares a "
-            "sample with its own group, so a group of one has advantage 0 and nothing is learned; "
-            "use group_size >= 2"
-        )
-    n = r.prompts_per_step * r.group_size
-    if n % a.minibatches:
-        raise ValueError(
-            f"algorithm.minibatches={a.minibatches} must divide the batch of "
-            f"prompts_per_step * group_size = {n} samples"
-        )
-    if a.ratio_level == "sequence" and a.aggregation in ("token_mean", "seq_mean_token_sum",
-                                                         "seq_mean_token_sum_norm"):  # fmt: skip
-        warnings.warn(
-            f"ratio_level='sequence' (GSPO) with aggregation={a.aggregation!r}: the sequence ratio "
-            "is one number per sequence, and token-sum style aggregation weights it by length; "
-            "GSPO uses seq_mean_token_mean",
-            stacklevel=2,
-        )
-    if getattr(a, "kl_weighting", "none") == "importance" and (
-        a.kl_mode != "loss" or a.kl_coef == 0 or a.ratio_level == "geometric"
-    ):
-        raise ValueError(
-            "algorithm.kl_weighting='importance' weights the KL loss term by pi_theta/pi_old; it "
-            "needs kl_mode='loss', kl_coef > 0 and ratio_level 'token' or 'sequence' (got "
-            f"{a.kl_mode!r}, {a.kl_coef}, {a.ratio_level!r})"
-        )
-    if a.surrogate == "sapo" and a.aggregation != "seq_mean_token_mean":
-        warnings.warn("SAPO is defined with seq_mean_token_mean aggregation", stacklevel=2)
-    if a.reward_aggregation == "normalize_then_sum" and (a.advantage, a.scale) != ("grpo", "group"):
-        raise ValueError(
-            "reward_aggregation='normalize_then_sum' (GDPO) defines the whole advantage; it needs "
-            f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
-        )
-    from grouprl.workloads import refuse_unsupported, workload_of  # imports the modalities
-
-    refuse_unsupported(workload_of(cfg), cfg)  # options the workload cannot honour (one process)
-    if a.advantage == "dr_grpo" and a.scale != "none":
-        warnings.warn(
-            "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
-        )
-    if (cfg.agent.tools or cfg.agent.tool_format != "auto") and cfg.task.name != "env":
-        raise ValueError(
-            "agent.tools / agent.tool_format apply to multi-turn episodes (task.name: env); "
-            f"task {cfg.task.name!r} samples single completions and would ignore them"
-        )
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -252,7 +99,7 @@ _YAML12Loader.add_implicit_resolver(
 )
 
 
-def _load_yaml(text: str, where: str = "the YAML text") -> Any:
+def load_yaml(text: str, where: str = "the YAML text") -> Any:
     try:
         return yaml.load(text, Loader=_YAML12Loader)
     except ConfigError as exc:
@@ -266,7 +113,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like dotted.key=value")
     key, value = item.split("=", 1)
-    return key.strip().split("."), _load_yaml(value, f"override {item!r}") if value != "" else ""
+    return key.strip().split("."), load_yaml(value, f"override {item!r}") if value != "" else ""
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -282,41 +129,60 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that owns the field at `loc` (to suggest the nearest valid key)."""
+def _model_at(loc: tuple) -> tuple[type[BaseModel] | None, tuple]:
+    """The pydantic model that owns the field at `loc` (to suggest the nearest valid key), and
+    `loc` without the tags pydantic inserts for discriminated unions (`surrogate.sapo.x`)."""
     model: Any = Config
-    for part in loc[:-1]:
+    shown: list = []
+    parts = list(loc[:-1])
+    while parts:
+        part = parts.pop(0)
+        shown.append(part)
         if isinstance(part, int):
             continue
         field = model.model_fields.get(part) if isinstance(model, type) else None
         if field is None:
-            return None
+            return None, loc
         ann = field.annotation
         args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)]
-        candidates = [ann, *args]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
+        models = [c for c in [ann, *args] if isinstance(c, type) and issubclass(c, BaseModel)]
+        tagged = {  # discriminated union: each member's `type` values
+            tag: m
+            for m in models
+            if "type" in m.model_fields
+            for tag in typing.get_args(m.model_fields["type"].annotation)
+        }
+        if len(models) > 1 and parts and parts[0] in tagged:  # discriminated union: the tag
+            model = tagged[parts.pop(0)]
+            continue
+        model = models[0] if models else None
         if model is None:
-            return None
-    return model
+            return None, loc
+    return model, (*shown, loc[-1])
 
 
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        where = ".".join(str(p) for p in loc) or "<config>"
+        owner, shown = _model_at(loc) if loc else (None, loc)
+        where = ".".join(str(p) for p in shown) or "<config>"
         if e["type"] == "extra_forbidden":
-            owner = _model_at(loc)
             valid = list(owner.model_fields) if owner else []
+            if owner is not None and "type" in owner.model_fields and shown != loc:
+                valid_for = f" of type {loc[len(shown) - 1]!r}"  # the tag pydantic inserted
+            else:
+                valid_for = ""
             near = difflib.get_close_matches(str(loc[-1]), valid, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            lines.append(f"unknown key {where!r}{hint} (valid keys here: {', '.join(valid)})")
+            lines.append(
+                f"unknown key {where!r}{hint} (valid keys here{valid_for}: {', '.join(valid)})"
+            )
         elif e["type"] == "missing":
             lines.append(f"missing required key {where!r}")
         elif e["type"] == "value_error":  # our own validators: the message says it all
-            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(msg if not loc else f"{where}: {msg}")
         else:
             lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
@@ -325,8 +191,9 @@ def _explain(err: ValidationError) -> str:
 def validate(raw: dict) -> Config:
     """Raw mapping -> Config, turning pydantic's errors into one readable ConfigError. The mapping
     is remembered as what the user wrote (`user_settings`)."""
-    written = copy.deepcopy(raw) if isinstance(raw, dict) else None
     try:
+        raw = migrate(raw)  # older spellings, each with a warning naming the new one
+        written = copy.deepcopy(raw) if isinstance(raw, dict) else None
         cfg = Config.model_validate(raw)
         if written is not None:
             _USER_SETTINGS[id(cfg)] = written
@@ -334,7 +201,7 @@ def validate(raw: dict) -> Config:
         return cfg
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
-    except ValueError as err:  # a preset name or a combination check
+    except (ValueError, MigrationError) as err:  # a preset name or a combination check
         raise ConfigError(f"invalid config: {err}") from None
 
 
@@ -355,7 +222,7 @@ def read_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc})") from None
-        raw = _load_yaml(text, f"config file {str(path)!r}") or {}
+        raw = load_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return apply_overrides(raw, list(overrides))

@@ -20,7 +20,7 @@ from grouprl.objectives.flow.guard import guard_log_ratio, guard_step_loss
 from grouprl.objectives.flow.losses import LIKELIHOOD_FREE, awm_loss, nft_loss
 from grouprl.objectives.group_losses import GROUP_SURROGATES, pmd_token_loss, tpo_loss
 from grouprl.objectives.kl import KL_ESTIMATORS, kl_in_reward, kl_penalty, sequence_kl
-from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, policy_loss
+from grouprl.objectives.losses import RATIO_LEVELS, SURROGATES, ClipRange, policy_loss
 from grouprl.objectives.objective import count_tokens, kl_loss_term, total_loss
 from grouprl.objectives.token_scales import (
     EGSW_MODES,
@@ -59,6 +59,7 @@ __all__ = [
     "nft_loss",
     "pmd_token_loss",
     "policy_loss",
+    "ClipRange",
     "prefix_share_scales",
     "sequence_kl",
     "token_entropy_from_logits",

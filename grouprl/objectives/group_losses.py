@@ -150,29 +150,29 @@ def tpo_loss(
 
 
 def pmd_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
-    return pmd_token_loss(b.logp, b.old_logp, b.adv, b.mask, b.pmd_tau), {}  # [n, T]
+    return pmd_token_loss(b.logp, b.old_logp, b.adv, b.mask, b.surrogate.tau), {}  # [n, T]
 
 
 def tpo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     out = tpo_loss(
-        b.logp, b.old_logp, b.adv, b.mask, b.group_ids, eta=b.tpo_eta, num_groups=b.num_groups
+        b.logp, b.old_logp, b.adv, b.mask, b.group_ids, eta=b.surrogate.eta, num_groups=b.num_groups
     )
     return out.loss, out.metrics  # scalar
 
 
 def check_group_options(b: SurrogateBatch, ratio_level: str) -> None:
     """The combinations PMD / TPO cannot honour fail here (called by policy_loss's option checks)."""
-    if b.surrogate in TOKEN_LEVEL_ONLY and ratio_level != "token":
+    if b.kind in TOKEN_LEVEL_ONLY and ratio_level != "token":
         raise ValueError(
-            f"surrogate {b.surrogate!r} defines its own sequence-level quantity from the token "
+            f"surrogate {b.kind!r} defines its own sequence-level quantity from the token "
             f"log-probs; use ratio_level 'token', not {ratio_level!r}"
         )
-    if b.surrogate not in GROUP_SURROGATES:
+    if b.kind not in GROUP_SURROGATES:
         return
     if b.token_weights is not None and bool((b.token_weights[b.mask] != 1).any()):
         raise ValueError(
-            f"surrogate {b.surrogate!r} scores whole sequences: token weights other than 1 "
+            f"surrogate {b.kind!r} scores whole sequences: token weights other than 1 "
             "(engine correction, top_entropy_quantile, token_scales) do not apply to it"
         )
     if b.seq_weights is not None:
-        raise ValueError(f"surrogate {b.surrogate!r} does not take seq_weights (delta_l)")
+        raise ValueError(f"surrogate {b.kind!r} does not take seq_weights (delta_l)")

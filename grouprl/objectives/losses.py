@@ -16,24 +16,25 @@ Ratio levels (`ratio_level`):
              sequence, their geometric mean over the valid slots (as verl does), so a 0 weight on any
              token drops the whole sequence.
 
-Surrogates (`surrogate`), per-slot losses l (to minimise), then token_weights, then aggregate():
+Surrogates (`surrogate`: its config object, `type` plus the family's knobs, grouprl/config/
+surrogates.py; knob names below are its fields), per-slot losses l (to minimise), then token_weights, then aggregate():
 - clip       PPO clip: max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)); eps_high > eps_low is DAPO's
              clip-higher (arXiv 2503.14476). Dual clip (arXiv 1912.09729) when dual_clip_c = c > 1:
              for A < 0, l = min(l, -A c).
 - cispo      MiniMax-M1 (arXiv 2506.13585, METHODS 15a): -sg(clip(rho, 1-eps_low, 1+eps_high)) A logp.
              Two-sided as in verl; TRL caps only the top (use a large eps_low for that).
 - sapo       Qwen SAPO (arXiv 2511.20347, METHODS 15b): -(4/tau) sigmoid(tau (rho - 1)) A, tau =
-             sapo_tau_pos if A > 0 else sapo_tau_neg. verl forces seq_mean_token_mean; here the
+             tau_pos if A > 0 else tau_neg. verl forces seq_mean_token_mean; here the
              configured aggregation is used (presets choose it).
 - reinforce  GPG (arXiv 2504.02546): -A logp, no ratio.
 - clip_cov   Entropy Mechanism (arXiv 2505.22617), rule read from verl: cov = (A - mean A)(logp - mean
-             logp) over the valid slots of this call; candidates are valid slots with clip_cov_lb < cov
-             < clip_cov_ub that PPO does not already clip; a uniformly random subset of
-             min(#candidates, max(1, int(clip_cov_ratio * n_valid))) of them is chosen (`generator`)
+             logp) over the valid slots of this call; candidates are valid slots with lb < cov
+             < ub that PPO does not already clip; a uniformly random subset of
+             min(#candidates, max(1, int(ratio * n_valid))) of them is chosen (`generator`)
              and their PPO loss is detached. Deviation: verl multiplies those losses by 0, which also
              drops their value; detaching gives the same gradient and keeps the logged loss honest.
-- kl_cov     same paper: l = -A rho (no clip) and, for the top max(1, int(kl_cov_ratio * n_valid))
-             valid slots by cov, l += kl_cov_coef * |log rho|.
+- kl_cov     same paper: l = -A rho (no clip) and, for the top max(1, int(ratio * n_valid))
+             valid slots by cov, l += coef * |log rho|.
 - pmd        PMD-mean (arXiv 2602.05933, METHODS section 2), group_losses.py: (tau/2)(A/tau - Delta_i)^2
              / |o_i| on each slot, Delta_i = summed token log-ratio; no clip. ratio_level "token" only.
 - tpo        TPO (arXiv 2604.06159, METHODS section 9), group_losses.py: cross-entropy to a target over
@@ -46,11 +47,8 @@ to splitting a batch into micro-batches (true of the reference implementation as
 seq_weights (Float[n], optional): per-row loss weights passed to aggregate() (delta_l needs them); at
 ratio_level "geometric" they multiply each sequence's term.
 
-Inputs: policy_loss checks shapes and option values, zeroes the padding and builds one
-SurrogateBatch, the record every ratio level and surrogate reads (group_losses.py's too).
-
 Metrics (floats over valid slots; 0 when there are none): clip_frac_low (A < 0 and rho < 1-eps_low),
-clip_frac_high (A > 0 and rho > 1+eps_high), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
+clip_frac_high (A > 0 and rho > 1+eps_high) (both 0 for a surrogate without a clip range), dual_clip_frac (A < 0 and rho > c), ratio_mean/min/max
 (of the ratio the surrogate uses: per slot; for geometric per non-empty sequence, R_i), approx_kl =
 mean k3 estimate of KL(old || new) from the token log-ratios: (rho - 1) - log rho; pg_loss.
 """
@@ -59,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -66,8 +65,6 @@ from torch import Tensor
 from grouprl.objectives.aggregation import aggregate, local_counts, masked_mean, safe_count
 from grouprl.objectives.group_losses import (
     GROUP_SURROGATES,
-    PMD_TAU,
-    TPO_ETA,
     check_group_options,
     pmd_surrogate,
     tpo_surrogate,
@@ -75,50 +72,51 @@ from grouprl.objectives.group_losses import (
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
 
-LOG_RATIO_CLAMP = 20.0
-SURROGATES = Registry("surrogate")
-RATIO_LEVELS = Registry("ratio level")
-_DUAL_CLIP_SURROGATES = ("clip", "clip_cov")  # the surrogates built on the PPO clip
-
-
-# ---- the input record, its checks and the clip / ratio metrics ----------------------------------
+# ---- the input record, its checks and the logged metrics ---------------------------------------
 
 
 @dataclass(frozen=True)
 class SurrogateBatch:
-    """The input record of every ratio level and surrogate (also group_losses.py's adapters):
-    tensors [n, T], advantages broadcast, padding zeroed by policy_loss, which builds it."""
+    """Everything a ratio level / surrogate needs; tensors are [n, T] (advantages broadcast)."""
 
     logp: Tensor
     old_logp: Tensor
     adv: Tensor
     mask: Tensor
     token_weights: Tensor | None
-    surrogate: str
+    surrogate: Any  # the surrogate's config: `type` and its family's knobs (config/surrogates.py)
     aggregation: str
     counts: dict
-    eps_low: float
-    eps_high: float
-    dual_clip_c: float | None
-    sapo_tau_pos: float
-    sapo_tau_neg: float
-    clip_cov_ratio: float
-    clip_cov_lb: float
-    clip_cov_ub: float
-    kl_cov_ratio: float
-    kl_cov_coef: float
     generator: torch.Generator | None
-    pmd_tau: float = PMD_TAU
-    tpo_eta: float = TPO_ETA
     group_ids: Tensor | None = None
     num_groups: int | float | Tensor | None = None
     seq_weights: Tensor | None = None
 
+    @property
+    def kind(self) -> str:
+        """The surrogate family's name (a key of losses.SURROGATES)."""
+        return self.surrogate.type
+
+    @property
+    def clip_range(self) -> tuple[float, float] | None:
+        """(eps_low, eps_high) of a surrogate with a clip range; None for one without."""
+        s = self.surrogate
+        return (s.eps_low, s.eps_high) if hasattr(s, "eps_low") else None
+
+    @property
+    def dual_clip_c(self) -> float | None:
+        return getattr(self.surrogate, "dual_clip_c", None)  # only the PPO-clip families have it
+
 
 def _clip_flags(ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities)."""
-    low = b.mask & (b.adv < 0) & (ratio < 1 - b.eps_low)  # [n, T]
-    high = b.mask & (b.adv > 0) & (ratio > 1 + b.eps_high)  # [n, T]
+    """Slots where the lower clip, upper clip and dual clip are active (strict inequalities);
+    none for a surrogate without a clip range (sapo, reinforce, kl_cov, pmd, tpo)."""
+    if b.clip_range is None:
+        none = torch.zeros_like(b.mask)  # [n, T]
+        return none, none, none
+    eps_low, eps_high = b.clip_range
+    low = b.mask & (b.adv < 0) & (ratio < 1 - eps_low)  # [n, T]
+    high = b.mask & (b.adv > 0) & (ratio > 1 + eps_high)  # [n, T]
     c = b.dual_clip_c
     dual = (
         b.mask & (b.adv < 0) & (ratio > c) if c is not None else torch.zeros_like(b.mask)
@@ -156,18 +154,20 @@ def _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights) 
 
 
 def _check_option_values(b: SurrogateBatch, ratio_level: str) -> None:
-    """Option values and combinations policy_loss cannot honour (unknown option names fail in
-    _check_options, where the registries answer with hints)."""
-    if b.eps_low < 0 or b.eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0, got {b.eps_low}, {b.eps_high}")
-    for name, value in (("clip_cov_ratio", b.clip_cov_ratio), ("kl_cov_ratio", b.kl_cov_ratio)):
-        if not 0 < value <= 1:
-            raise ValueError(f"{name} is a fraction of the valid tokens, in (0, 1]; got {value}")
+    """Option values and combinations policy_loss cannot honour (option names: losses.py). The
+    config models check the ranges too; these checks serve callers that build the spec in code."""
+    s = b.surrogate
+    if b.clip_range is not None and min(b.clip_range) < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {s.eps_low}, {s.eps_high}")
+    if b.kind in ("clip_cov", "kl_cov") and not 0 < s.ratio <= 1:
+        raise ValueError(
+            f"{b.kind} ratio is a fraction of the valid tokens, in (0, 1]; got {s.ratio}"
+        )
     check_group_options(b, ratio_level)
-    if ratio_level == "geometric" and b.surrogate != "clip":
+    if ratio_level == "geometric" and b.kind != "clip":
         raise ValueError(
             "ratio_level 'geometric' (GMPO) has its own log-space clip; use surrogate 'clip', "
-            f"not {b.surrogate!r}"
+            f"not {b.kind!r}"
         )
     if b.dual_clip_c is None:
         return
@@ -175,14 +175,16 @@ def _check_option_values(b: SurrogateBatch, ratio_level: str) -> None:
         raise ValueError(
             f"dual_clip_c must be > 1 (it bounds -A*rho for A < 0), got {b.dual_clip_c}"
         )
-    if b.surrogate not in _DUAL_CLIP_SURROGATES or ratio_level == "geometric":
+    if ratio_level == "geometric":
         raise ValueError(
-            f"dual_clip_c applies to the PPO-clip surrogates {_DUAL_CLIP_SURROGATES} at token or "
-            f"sequence level, not surrogate {b.surrogate!r} with ratio_level {ratio_level!r}"
+            "dual_clip_c applies to the PPO-clip surrogates at token or sequence level, not "
+            "ratio_level 'geometric'"
         )
 
 
-# ---- log-ratios and surrogates -----------------------------------------------------------------
+LOG_RATIO_CLAMP = 20.0
+SURROGATES = Registry("surrogate")
+RATIO_LEVELS = Registry("ratio level")
 
 
 def _token_log_ratio(b: SurrogateBatch) -> Tensor:
@@ -209,7 +211,8 @@ def _ppo_clip(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, Tensor]:
     ratio = _exp_ratio(log_ratio)  # [n, T]
     low, high, dual = _clip_flags(ratio.detach(), b)  # [n, T] each
     clipped = low | high  # [n, T]
-    bound = ratio.detach().clamp(1 - b.eps_low, 1 + b.eps_high)  # [n, T] constant where clipped
+    eps_low, eps_high = b.clip_range
+    bound = ratio.detach().clamp(1 - eps_low, 1 + eps_high)  # [n, T] constant where clipped
     loss = torch.where(clipped, -b.adv * bound, -b.adv * ratio)  # [n, T]
     if b.dual_clip_c is not None:
         loss = torch.where(dual, -b.adv * b.dual_clip_c, loss)  # [n, T] A<0: min(l, -A c)
@@ -230,14 +233,15 @@ def clip_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
 
 @SURROGATES.register("cispo")
 def cispo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
-    weight = _exp_ratio(log_ratio).detach().clamp(1 - b.eps_low, 1 + b.eps_high)  # [n, T]
+    s = b.surrogate
+    weight = _exp_ratio(log_ratio).detach().clamp(1 - s.eps_low, 1 + s.eps_high)  # [n, T]
     return -weight * b.adv * b.logp, {}  # [n, T]
 
 
 @SURROGATES.register("sapo")
 def sapo_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     ratio = _exp_ratio(log_ratio)  # [n, T]
-    tau = torch.where(b.adv > 0, b.sapo_tau_pos, b.sapo_tau_neg).to(ratio.dtype)  # [n, T]
+    tau = torch.where(b.adv > 0, b.surrogate.tau_pos, b.surrogate.tau_neg).to(ratio.dtype)  # [n, T]
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * b.adv, {}  # [n, T]
 
 
@@ -250,9 +254,10 @@ def reinforce_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, d
 def clip_cov_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict]:
     loss, clipped = _ppo_clip(log_ratio, b)  # [n, T] each
     cov = _covariance(b)  # [n, T]
-    eligible = b.mask & ~clipped & (cov > b.clip_cov_lb) & (cov < b.clip_cov_ub)  # [n, T]
+    s = b.surrogate
+    eligible = b.mask & ~clipped & (cov > s.lb) & (cov < s.ub)  # [n, T]
     candidates = eligible.flatten().nonzero().squeeze(-1)  # [K]
-    n_pick = min(candidates.numel(), max(1, int(b.clip_cov_ratio * int(b.mask.sum()))))
+    n_pick = min(candidates.numel(), max(1, int(s.ratio * int(b.mask.sum()))))
     device = b.generator.device if b.generator is not None else torch.device("cpu")
     perm = torch.randperm(candidates.numel(), generator=b.generator, device=device)  # [K]
     chosen = torch.zeros(b.mask.numel(), dtype=torch.bool, device=b.mask.device)  # [n*T]
@@ -268,10 +273,10 @@ def kl_cov_surrogate(log_ratio: Tensor, b: SurrogateBatch) -> tuple[Tensor, dict
     n_valid = int(b.mask.sum())
     chosen = torch.zeros_like(b.mask)  # [n, T]
     if n_valid > 0:
-        k = min(n_valid, max(1, int(b.kl_cov_ratio * n_valid)))
+        k = min(n_valid, max(1, int(b.surrogate.ratio * n_valid)))
         top = _covariance(b).flatten().topk(k).indices  # [k]; -inf padding ranks last
         chosen.view(-1)[top] = True
-        loss = loss + b.kl_cov_coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
+        loss = loss + b.surrogate.coef * log_ratio.masked_fill(~chosen, 0.0).abs()  # [n, T]
     return loss, {"kl_cov_frac": masked_mean(chosen.float(), b.mask)}
 
 
@@ -282,7 +287,7 @@ SURROGATES.register("tpo")(tpo_surrogate)
 def _tokenwise(log_ratio_fn, b: SurrogateBatch) -> tuple[Tensor, dict]:
     """token and sequence levels: per-slot surrogate, token weights, configured aggregation."""
     log_ratio = log_ratio_fn(b)  # [n, T]
-    loss_mat, extra = SURROGATES[b.surrogate](log_ratio, b)  # [n, T]
+    loss_mat, extra = SURROGATES[b.kind](log_ratio, b)  # [n, T]
     if b.token_weights is not None:
         loss_mat = loss_mat * b.token_weights  # [n, T]
     loss = aggregate(loss_mat, b.mask, b.aggregation, **b.counts, seq_weights=b.seq_weights)
@@ -305,11 +310,12 @@ RATIO_LEVELS.register("sequence")(partial(_tokenwise, _sequence_log_ratio))
 @RATIO_LEVELS.register("geometric")
 def _geometric(b: SurrogateBatch) -> tuple[Tensor, dict]:
     """GMPO, METHODS section 14 (aggregation ignored, see module docstring)."""
+    eps_low, eps_high = b.clip_range  # the clip surrogate's (checked by _check_option_values)
     delta = _token_log_ratio(b).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
-    high = b.mask & (b.adv > 0) & (delta > b.eps_high)  # [n, T] upper clip, A > 0 only
-    low = b.mask & (b.adv < 0) & (delta < -b.eps_low)  # [n, T] lower clip, A < 0 only
+    high = b.mask & (b.adv > 0) & (delta > eps_high)  # [n, T] upper clip, A > 0 only
+    low = b.mask & (b.adv < 0) & (delta < -eps_low)  # [n, T] lower clip, A < 0 only
     # sgn(A) min(sgn(A) d, sgn(A) clip(d)): A>0 caps d at eps_high, A<0 floors it at -eps_low, A=0 -> 0
-    c = torch.where(high, b.eps_high, torch.where(low, -b.eps_low, delta))  # [n, T]
+    c = torch.where(high, eps_high, torch.where(low, -eps_low, delta))  # [n, T]
     c = c.masked_fill((b.adv == 0) | ~b.mask, 0.0)  # [n, T]
     lengths = b.mask.sum(-1).clamp(min=1)  # [n]
     seq_ratio = (c.sum(-1) / lengths).exp()  # [n] R_i
@@ -334,15 +340,29 @@ def _geometric(b: SurrogateBatch) -> tuple[Tensor, dict]:
 
 def _group_level(b: SurrogateBatch) -> tuple[Tensor, dict]:
     """Surrogates with their own reduction over groups (TPO): no aggregate(), no clip."""
-    loss, metrics = SURROGATES[b.surrogate](_token_log_ratio(b), b)  # scalar
+    loss, metrics = SURROGATES[b.kind](_token_log_ratio(b), b)  # scalar
     ratio = _exp_ratio(_token_log_ratio(b).detach())  # [n, T] monitored only
     zero = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
     return loss, {**zero, **_ratio_metrics(ratio, b.mask), **metrics}
 
 
 def _check_options(b: SurrogateBatch, ratio_level: str) -> None:
-    _ = SURROGATES[b.surrogate], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
+    _ = SURROGATES[b.kind], RATIO_LEVELS[ratio_level]  # unknown names fail here, with hints
     _check_option_values(b, ratio_level)
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """The PPO-clip surrogate's spec for callers that have no config object (the flow objectives):
+    the fields of config.surrogates.ClipSurrogate."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None = None
+    type: str = "clip"
+
+
+PPO_CLIP = ClipRange(0.2, 0.2)  # policy_loss's default surrogate: PPO's clip range 0.2
 
 
 def policy_loss(
@@ -351,33 +371,23 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
+    surrogate: Any = PPO_CLIP,
     ratio_level: str = "token",
-    surrogate: str = "clip",
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
     aggregation: str = "token_mean",
     num_tokens: int | float | Tensor | None = None,
     num_seqs: int | float | Tensor | None = None,
     max_len: int | None = None,
     token_weights: Tensor | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    kl_cov_ratio: float = 2e-4,
-    kl_cov_coef: float = 1.0,
     generator: torch.Generator | None = None,
-    pmd_tau: float = PMD_TAU,
-    tpo_eta: float = TPO_ETA,
     group_ids: Tensor | None = None,
     num_groups: int | float | Tensor | None = None,
     seq_weights: Tensor | None = None,
 ) -> LossOutput:
     """Policy-gradient loss of logp [n, T] (differentiable) against old_logp [n, T], with advantages
     [n] or [n, T], over mask [n, T] (bool). Counts are the global ones (see aggregation.py).
-    group_ids [n] and num_groups (global) serve TPO; seq_weights [n] go to aggregate()."""
+    surrogate: the surrogate's config, `type` (a SURROGATES name) and its family's knobs, e.g.
+    grouprl.config.surrogates.SapoSurrogate(tau_pos=1.0) or ClipRange(0.2, 0.28). group_ids [n]
+    and num_groups (global) serve TPO; seq_weights [n] go to aggregate(); generator: clip_cov."""
     _check_shapes(logp, old_logp, advantages, mask, token_weights, seq_weights)
     adv = advantages.detach().to(logp.dtype)  # [n] or [n, T]
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv  # [n, T]
@@ -390,15 +400,11 @@ def policy_loss(
         adv=adv.masked_fill(pad, 0.0), mask=mask, token_weights=weights,
         surrogate=surrogate, aggregation=aggregation,
         counts={"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len},
-        eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c,
-        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub,
-        kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef, generator=generator,
-        pmd_tau=pmd_tau, tpo_eta=tpo_eta, group_ids=group_ids, num_groups=num_groups,
+        generator=generator, group_ids=group_ids, num_groups=num_groups,
         seq_weights=None if seq_weights is None else seq_weights.detach().to(logp.dtype),
     )  # fmt: skip
     _check_options(b, ratio_level)
-    level = _group_level if surrogate in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
+    level = _group_level if b.kind in GROUP_SURROGATES else RATIO_LEVELS[ratio_level]
     loss, metrics = level(b)
     log_rho = _token_log_ratio(b).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [n, T]
     metrics["approx_kl"] = masked_mean(log_rho.exp() - 1 - log_rho, mask)  # k3 of KL(old || new)

@@ -29,8 +29,8 @@ Choices:
   aggregated with the same mode and counts but unit weights, because the official Delta-L code
   scales the advantages by w_i, which the KL and entropy terms never see.
 - group_ids [n] and counts["num_groups"] (count_tokens(..., group_ids=...)) serve surrogate "tpo";
-  algorithm fields pmd_tau, tpo_eta, pg_coef are read with getattr and their defaults, so config
-  objects without them still work.
+  `algo.surrogate` is passed to policy_loss as it is (the surrogate's config: type and knobs);
+  pg_coef is read with getattr and its default 1.0, so config objects without it still work.
 
 Metrics: `loss`, `pg_loss` (and `kl_loss`, `entropy_loss` when active) are this micro-batch's share of
 the step's loss: sum them over micro-batches. `kl` and `entropy` are means over this micro-batch's
@@ -47,7 +47,6 @@ from torch import Tensor
 from grouprl.objectives.aggregation import AGG_COUNTS, aggregate, local_counts, masked_mean
 from grouprl.objectives.correction import engine_is_weights
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask
-from grouprl.objectives.group_losses import PMD_TAU, TPO_ETA
 from grouprl.objectives.kl import importance_weighted_kl, kl_penalty
 from grouprl.objectives.losses import policy_loss
 from grouprl.types import LossOutput, PolicyOutput
@@ -232,14 +231,9 @@ def total_loss(
     unit = None if seq_weights is None else torch.ones_like(seq_weights)  # [n] for KL / entropy
     pg = policy_loss(
         logp, old_logp, advantages, mask,
-        ratio_level=algo.ratio_level, surrogate=algo.surrogate,
-        eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip_c=algo.dual_clip_c,
-        aggregation=algo.aggregation, token_weights=weights,
-        sapo_tau_pos=algo.sapo_tau_pos, sapo_tau_neg=algo.sapo_tau_neg,
-        clip_cov_ratio=algo.clip_cov_ratio, clip_cov_lb=algo.clip_cov_lb, clip_cov_ub=algo.clip_cov_ub,
-        kl_cov_ratio=algo.kl_cov_ratio, kl_cov_coef=algo.kl_cov_coef,
-        pmd_tau=getattr(algo, "pmd_tau", PMD_TAU), tpo_eta=getattr(algo, "tpo_eta", TPO_ETA),
-        group_ids=group_ids, num_groups=counts.get("num_groups"), seq_weights=seq_weights,
+        surrogate=algo.surrogate, ratio_level=algo.ratio_level,
+        aggregation=algo.aggregation, token_weights=weights, group_ids=group_ids,
+        num_groups=counts.get("num_groups"), seq_weights=seq_weights,
         generator=generator, **agg_counts,
     )  # fmt: skip
     metrics.update(pg.metrics)

@@ -9,7 +9,7 @@ prepare (once per rollout, no grad):
   kl_mode "reward" folds -kl_coef * (mean KL over the trained steps) into the rewards.
 micro_loss (one micro-batch, with grad), keyed by diffusion.objective:
 - "policy_gradient": objectives.total_loss unchanged, its KL replaced by the policy's mean-space
-  Gaussian KL (kl_out = policy.kl(out, ref_out)); with diffusion.ratio_norm "grpo_guard" the
+  Gaussian KL (kl_out = policy.kl(out, ref_out)); with diffusion.objective.ratio_norm "grpo_guard" the
   policy term is objectives.flow_guard.guard_step_loss (RatioNorm + 1/dt, arXiv 2510.22319) scaled
   to the update's global count, plus the same KL term. Per-step ratio diagnostics are logged
   (policies.flow_math.ratio_diagnostics: ratio/step{k}/mean, /std, /clip_frac).
@@ -17,7 +17,7 @@ micro_loss (one micro-batch, with grad), keyed by diffusion.objective:
   reference / EMA weights without grad) at forward-noised copies x_t = (1 - t) x0 + t eps of the
   final samples, t drawn from the rollout's sigma schedule (objectives.flow_support).
 after_update: the old (NFT) / EMA (AWM) weights follow the trained ones, w <- d w + (1 - d) theta,
-with d from diffusion.ema_decay at the current training step.
+with d from diffusion.objective.ema_decay at the current training step.
 
 Deviations: AWM's "old" log-likelihood is the current weights' (on-policy, as its code) also when
 epochs > 1. With full fine-tuning a resumed run restarts the old / EMA weights from the current ones
@@ -114,7 +114,7 @@ def micro_loss(
     cfg: Any, policy: Any, sub: Rollout, counts: dict, single_pass: bool
 ) -> tuple[LossOutput, Tensor]:
     """The loss of micro-batch `sub` and the old log-probs it used, [n, K] (module docstring)."""
-    return OBJECTIVES[cfg.diffusion.objective](cfg, policy, sub, counts, single_pass)
+    return OBJECTIVES[cfg.diffusion.objective.type](cfg, policy, sub, counts, single_pass)
 
 
 def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput, Tensor]:
@@ -125,14 +125,15 @@ def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput,
     if sub.ref_logp is not None:
         ref_out = PolicyOutput(logp=sub.ref_logp, extras={"mean": sub.info["ref_mean"]})
         kl_out = policy.kl(out, ref_out)  # [n, K]
-    if d.ratio_norm == "grpo_guard":
+    if d.objective.ratio_norm == "grpo_guard":
         res = _guard_loss(cfg, policy, sub, out, old, kl_out, counts, single_pass)
     else:
         res = total_loss(
             out, old_logp=old, advantages=sub.advantages, mask=sub.mask, algo=a, counts=counts,
             kl_out=kl_out, group_ids=sub.group_ids,
         )  # fmt: skip
-    res.metrics.update(ratio_diagnostics(out.logp, old, sub.mask, clip_eps=a.eps_high))
+    eps = getattr(a.surrogate, "eps_high", math.inf)  # a surrogate without a clip: none clipped
+    res.metrics.update(ratio_diagnostics(out.logp, old, sub.mask, clip_eps=eps))
     return res, old
 
 
@@ -150,7 +151,7 @@ def _guard_loss(cfg, policy, sub, out, old, kl_out, counts, single_pass) -> Loss
     clip_max = d.adv_clip_max if d.adv_clip_max is not None else math.inf
     guard = guard_step_loss(
         out.logp, old, out.extras["mean"], old_mean, std, sub.advantages[:, None], dt,
-        eps=a.eps_high, adv_clip_max=clip_max, mask=valid,
+        eps=a.surrogate.eps_high, adv_clip_max=clip_max, mask=valid,
     )  # fmt: skip
     share = valid.sum() / max(counts["num_tokens"], 1)  # this micro-batch's part of the update
     loss = guard.loss * share  # scalar
@@ -172,7 +173,8 @@ def _likelihood_free(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput,
     a, d = cfg.algorithm, cfg.diffusion
     batch = sub.actions
     n, k_s = len(batch), batch.num_steps
-    idx = stratified_timestep_indices(k_s, d.lf_timesteps, d.lf_timestep_fraction, n)  # [n, K']
+    o = d.objective
+    idx = stratified_timestep_indices(k_s, o.timesteps, o.timestep_fraction, n)  # [n, K']
     t = batch.sigmas.gather(1, idx.to(batch.sigmas.device)).float()  # [n, K']
     k = t.shape[1]
     x0 = batch.final.float()  # [n, *D]
@@ -184,11 +186,11 @@ def _likelihood_free(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput,
     def velocity(which: str) -> Tensor:
         return policy.forward_noising(**flat, which=which).reshape(n, k, *x0.shape[1:])
 
-    nft = d.objective == "diffusion_nft"
+    nft = d.objective.type == "diffusion_nft"
     extra = {}
-    if d.objective == "awm" and d.awm_ema_coef > 0:
+    if d.objective.type == "awm" and d.objective.ema_coef > 0:
         extra["v_ema"] = velocity("old")  # AWM's EMA weights live in the policy's "old" slot
-    res = LIKELIHOOD_FREE[d.objective](
+    res = LIKELIHOOD_FREE[d.objective.type](
         velocity("current"), x0, noise, t, sub.advantages.float(),
         v_old=velocity("old") if nft else None,
         v_ref=velocity("ref") if a.kl_coef > 0 else None,
@@ -210,7 +212,7 @@ def after_update(cfg: Any, policy: Any, step: int) -> dict[str, float]:
     """Old (DiffusionNFT) / EMA (AWM with awm_ema_coef > 0) weights follow the trained ones."""
     d = cfg.diffusion
     if needs_old_weights(cfg):
-        decay = EMA_DECAYS[d.ema_decay](step)
+        decay = EMA_DECAYS[d.objective.ema_decay](step)
         policy.update_old(decay)
         return {"old_weights/decay": decay}
     return {}

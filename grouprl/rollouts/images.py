@@ -93,13 +93,14 @@ def score_images(
 
 
 def likelihood_free(cfg: Any) -> bool:
-    return cfg.diffusion.objective != "policy_gradient"
+    return cfg.diffusion.objective.type != "policy_gradient"
 
 
 def needs_old_weights(cfg: Any) -> bool:
     """DiffusionNFT's old weights, or AWM's EMA weights (awm_ema_coef > 0): the policy's "old" slot."""
     d = cfg.diffusion
-    return d.objective == "diffusion_nft" or (d.objective == "awm" and d.awm_ema_coef > 0)
+    o = d.objective
+    return o.type == "diffusion_nft" or (o.type == "awm" and o.ema_coef > 0)
 
 
 def has_old_weights(policy: Any) -> bool:
@@ -109,7 +110,9 @@ def has_old_weights(policy: Any) -> bool:
 def lf_mask(cfg: Any, n: int, k: int) -> Tensor:
     """Likelihood-free objectives: Bool[N, K], True at the steps whose sigma may be a training
     timestep (indices 1 .. min(floor(fraction K), K - 1) of the K + 1 sigmas)."""
-    cand = stratified_timestep_indices(k, None, cfg.diffusion.lf_timestep_fraction, 1)[0]  # [C]
+    cand = stratified_timestep_indices(k, None, cfg.diffusion.objective.timestep_fraction, 1)[
+        0
+    ]  # [C]
     mask = torch.zeros(n, k, dtype=torch.bool)  # [N, K]
     mask[:, cand - 1] = True
     return mask
@@ -134,11 +137,12 @@ def collect(
     cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     mode = "eval" if d.sampler == "ode" else "rollout"  # eval mode: every step deterministic
-    nft = d.objective == "diffusion_nft"
+    nft = d.objective.type == "diffusion_nft"
     if needs_old_weights(cfg) and not has_old_weights(policy):
         policy.update_old(0.0)  # the first call copies the current weights
+    guard = getattr(d.objective, "ratio_norm", "off") == "grpo_guard"  # policy_gradient only
     kwargs = dict(steps=d.rollout_steps, mode=mode, group_ids=group_ids,
-                  optimizer_step=optimizer_step, store_means=d.ratio_norm == "grpo_guard")  # fmt: skip
+                  optimizer_step=optimizer_step, store_means=guard)  # fmt: skip
     if nft:  # DiffusionNFT samples with its old weights
         with policy.old_weights():
             rollout = policy.sample(cond, g, **kwargs)

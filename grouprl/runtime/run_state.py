@@ -31,9 +31,9 @@ import yaml
 from grouprl.config.loading import (
     ACTION_KEYS,
     Config,
-    _load_yaml,
     flatten,
     load_config,
+    load_yaml,
     read_config,
     save_run_config,
     validate,
@@ -99,7 +99,7 @@ def config_changes(cfg: Config) -> dict[str, tuple[Any, Any]]:
     try:
         if resolved.is_file():  # the record of every value the run used
             # the alias-limited loader: a run directory may come from someone else
-            old_raw = _load_yaml(resolved.read_text(encoding="utf-8"), str(resolved)) or {}
+            old_raw = load_yaml(resolved.read_text(encoding="utf-8"), str(resolved)) or {}
         elif mine.is_file():  # older runs: a resolved config.yaml; else what the user set
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

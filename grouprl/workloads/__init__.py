@@ -21,20 +21,12 @@ from grouprl.workloads.base import (
 
 
 def workload_of(cfg: Any) -> type:
-    """The registered class of the config's workload."""
-    name = workload_name(cfg)
+    """The registered class of the config's workload (`workload.type`; older configs without a
+    `workload:` section had it inferred at validation, grouprl/config/migration.py)."""
+    name = cfg.workload.type
     if name not in WORKLOADS:
         raise ValueError(f"workload.type {name!r} is not registered; known: {sorted(WORKLOADS)}")
     return WORKLOADS[name]
-
-
-def workload_name(cfg: Any) -> str:
-    workload = getattr(cfg, "workload", None)
-    if workload is not None:
-        return workload.type
-    if cfg.task.name == "env":  # configs without a workload section: inferred
-        return "agent"
-    return "images" if cfg.model.type in ("flow", "unet") else "text"
 
 
 def build_policy(cfg: Any, device: torch.device) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from grouprl.config.loop import AgentConfig
+from grouprl.config.agent import AgentConfig
 from grouprl.envs.gym import make_text_env
 from grouprl.envs.tools.schemas import ToolSet, load_tools
 from grouprl.envs.vector import VectorRunner

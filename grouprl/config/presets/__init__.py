@@ -1,10 +1,11 @@
 """Named algorithms = settings of the `algorithm:` config section (objectives are orthogonal pieces).
 
 A preset fills the algorithm fields it cares about; every field it leaves out takes the config
-default. Field names are exactly those of the `algorithm:` section of grouprl/config/loading.py.
+default. Field names are exactly those of the `algorithm:` section (grouprl/config/algorithm.py);
+`surrogate` is a mapping {type: ..., knobs} (grouprl/config/surrogates.py).
 
-The presets themselves, with their sources and deviations: text_presets.py (language models
-and agents) and flow_presets.py (images and video).
+The presets themselves, with their sources and deviations: text.py (language models and agents)
+and flow.py (images and video).
 """
 
 from __future__ import annotations
@@ -48,4 +49,8 @@ def preset_settings(name: str, *, sections: bool = False) -> dict[str, object]:
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1, cutoff=0.0)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown preset {name!r}: allowed are {', '.join(sorted(PRESETS))}{hint}")
-    return {k: v for k, v in PRESETS[name].settings.items() if ("." in k) == sections}
+    return {
+        k: dict(v) if isinstance(v, dict) else v  # a fresh surrogate mapping per call
+        for k, v in PRESETS[name].settings.items()
+        if ("." in k) == sections
+    }

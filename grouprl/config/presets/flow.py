@@ -2,7 +2,8 @@
 
 Each entry is the data of one `config.presets.Preset` (presets.py registers them): `algorithm:`
 fields as plain keys, other sections as "section.field" keys ("diffusion.noise_level",
-"train.lr", "model.lora"). A preset fills only what the user left unset; a mapping value such as
+"train.lr", "model.lora"); the typed parts (algorithm.surrogate, diffusion.train_steps,
+diffusion.objective) as mappings with their `type`. A preset fills only what the user left unset; a mapping value such as
 "model.lora" fills the keys missing from the user's own mapping (grouprl/config/loading.py).
 
 Values, from peers/diffusion.md (read from each project's code and configs) and METHODS.md 7-8:
@@ -53,23 +54,30 @@ def _lora(r: int, alpha: int, targets: tuple[str, ...]) -> MappingProxyType:
     return MappingProxyType({"r": r, "alpha": alpha, "target_modules": targets})
 
 
-_PPO_STEP = {"advantage": "grpo", "surrogate": "clip", "ratio_level": "token"}
+_PPO_STEP = {"advantage": "grpo", "ratio_level": "token"}
+
+
+def _clip(eps: float) -> dict:
+    """The PPO-clip surrogate with the range 1 +- eps (algorithm.surrogate)."""
+    return {"type": "clip", "eps_low": eps, "eps_high": eps}
+
+
 # Flow-GRPO's configs take two optimizer steps per sampling round (train.gradient_accumulation_steps
 # = sample.num_batches_per_epoch // 2, one inner epoch): the second step's ratio departs from 1
 # and the clip can act
 _FLOW_GRPO_ALGO = {
-    **_PPO_STEP, "scale": "batch", "adv_eps": 1e-4, "eps_low": 1e-4, "eps_high": 1e-4,
+    **_PPO_STEP, "scale": "batch", "adv_eps": 1e-4, "surrogate": _clip(1e-4),
     "aggregation": "token_mean", "kl_coef": 0.04, "epochs": 1, "minibatches": 2,
 }  # fmt: skip
 _FLOW_GRPO_DIFFUSION = {
-    "diffusion.objective": "policy_gradient", "diffusion.sampler": "flow_sde",
+    "diffusion.objective": {"type": "policy_gradient"}, "diffusion.sampler": "flow_sde",
     "diffusion.noise_level": 0.7, "diffusion.rollout_steps": 10, "diffusion.eval_steps": 40,
-    "diffusion.train_steps": "all_but_last", "diffusion.adv_clip_max": 5.0,
+    "diffusion.train_steps": {"type": "all_but_last"}, "diffusion.adv_clip_max": 5.0,
     "diffusion.guidance_scale": 4.5, "diffusion.train_guidance": "same",
 }  # fmt: skip
 _FLOW_LORA = {"model.lora": _lora(32, 64, _TRANSFORMER_LORA), "train.lr": 3e-4}
 _DANCE_ALGO = {
-    **_PPO_STEP, "scale": "group", "adv_eps": 1e-8, "eps_low": 1e-4, "eps_high": 1e-4,
+    **_PPO_STEP, "scale": "group", "adv_eps": 1e-8, "surrogate": _clip(1e-4),
     "aggregation": "token_mean", "kl_coef": 0.0,
 }  # fmt: skip
 _LIKELIHOOD_FREE = {
@@ -96,12 +104,10 @@ FLOW_PRESETS: list[dict] = [
         "summary": "Flow-GRPO with the SDE only in a random window of 2 steps, ODE elsewhere.",
         "settings": {
             **_FLOW_GRPO_ALGO,
-            "eps_low": 1e-5,
-            "eps_high": 1e-5,
+            "surrogate": _clip(1e-5),
             "kl_coef": 0.0,
             **_FLOW_GRPO_DIFFUSION,
-            "diffusion.train_steps": "random_window",
-            "diffusion.window_size": 2,
+            "diffusion.train_steps": {"type": "random_window", "window_size": 2},
             **_FLOW_LORA,
         },  # fmt: skip
     },
@@ -111,13 +117,12 @@ FLOW_PRESETS: list[dict] = [
         "summary": "Constant-diffusion SDE, a random subset of steps trained, shared group noise.",
         "settings": {
             **_DANCE_ALGO,
-            "diffusion.objective": "policy_gradient",
+            "diffusion.objective": {"type": "policy_gradient"},
             "diffusion.sampler": "dance_sde",
             "diffusion.eta": 0.3,
             "diffusion.rollout_steps": 16,
             "diffusion.shift": 3.0,
-            "diffusion.train_steps": "random_fraction",
-            "diffusion.train_fraction": 0.6,
+            "diffusion.train_steps": {"type": "random_fraction", "fraction": 0.6},
             "diffusion.shared_noise": "group",
             "diffusion.adv_clip_max": 5.0,
             "diffusion.guidance_scale": 1.0,
@@ -131,14 +136,16 @@ FLOW_PRESETS: list[dict] = [
         "summary": "SDE only in a window that slides along the schedule as training goes, ODE elsewhere.",
         "settings": {
             **_DANCE_ALGO,
-            "diffusion.objective": "policy_gradient",
+            "diffusion.objective": {"type": "policy_gradient"},
             "diffusion.sampler": "flow_sde",
             "diffusion.noise_level": 0.7,
             "diffusion.rollout_steps": 25,
-            "diffusion.train_steps": "sliding_window",
-            "diffusion.window_size": 4,
-            "diffusion.window_shift_every": 25,
-            "diffusion.window_shift_by": 1,
+            "diffusion.train_steps": {
+                "type": "sliding_window",
+                "window_size": 4,
+                "shift_every": 25,
+                "shift_by": 1,
+            },
             "diffusion.adv_clip_max": 5.0,
             "diffusion.guidance_scale": 1.0,
             **_FLOW_LORA,
@@ -153,16 +160,15 @@ FLOW_PRESETS: list[dict] = [
             **_PPO_STEP,
             "scale": "group",
             "adv_eps": 1e-6,
-            "eps_low": 1e-4,
-            "eps_high": 1e-4,
+            "surrogate": _clip(1e-4),
             "aggregation": "token_mean",
             "kl_coef": 0.0,
-            "diffusion.objective": "policy_gradient",
+            "diffusion.objective": {"type": "policy_gradient"},
             "diffusion.sampler": "ddim",
             "diffusion.eta": 1.0,
             "diffusion.rollout_steps": 50,
             "diffusion.eval_steps": 50,
-            "diffusion.train_steps": "all_but_last",
+            "diffusion.train_steps": {"type": "all_but_last"},
             "diffusion.adv_clip_max": 10.0,
             "diffusion.guidance_scale": 5.0,
             "diffusion.train_guidance": "same",
@@ -177,12 +183,14 @@ FLOW_PRESETS: list[dict] = [
         "settings": {
             **_LIKELIHOOD_FREE,
             "kl_coef": 1e-4,
-            "diffusion.objective": "diffusion_nft",
+            "diffusion.objective": {
+                "type": "diffusion_nft",
+                "beta": 1.0,
+                "timesteps": None,
+                "timestep_fraction": 1.0,
+                "ema_decay": "nft_ramp",
+            },
             "diffusion.rollout_steps": 10,
-            "diffusion.nft_beta": 1.0,
-            "diffusion.lf_timesteps": None,
-            "diffusion.lf_timestep_fraction": 1.0,
-            "diffusion.ema_decay": "nft_ramp",
             "rollout.group_size": 24,
         },  # fmt: skip
     },
@@ -193,16 +201,18 @@ FLOW_PRESETS: list[dict] = [
         "settings": {
             **_LIKELIHOOD_FREE,
             "kl_coef": 0.001,
-            "diffusion.objective": "awm",
+            "diffusion.objective": {
+                "type": "awm",
+                "timesteps": 6,
+                "timestep_fraction": 0.9,
+                "weighting": "ghuber",
+                "ghuber_p": 0.25,
+                "clip": 1.0,
+                "adv_max": 1.0,
+                "ema_coef": 1.0,
+                "ema_decay": "awm_ramp",
+            },
             "diffusion.rollout_steps": 14,
-            "diffusion.lf_timesteps": 6,
-            "diffusion.lf_timestep_fraction": 0.9,
-            "diffusion.awm_weighting": "ghuber",
-            "diffusion.awm_ghuber_p": 0.25,
-            "diffusion.awm_clip": 1.0,
-            "diffusion.awm_adv_max": 1.0,
-            "diffusion.awm_ema_coef": 1.0,
-            "diffusion.ema_decay": "awm_ramp",
             "rollout.group_size": 24,
         },  # fmt: skip
     },

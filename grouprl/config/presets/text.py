@@ -26,14 +26,18 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
 
 from __future__ import annotations
 
-_CLIP = {"surrogate": "clip", "ratio_level": "token"}
+
+def _clip(eps_low: float = 0.2, eps_high: float = 0.2, **more: float) -> dict:
+    """The PPO-clip surrogate mapping (algorithm.surrogate, grouprl/config/surrogates.py)."""
+    return {"type": "clip", "eps_low": eps_low, "eps_high": eps_high, **more}
+
+
+_CLIP = {"surrogate": _clip(), "ratio_level": "token"}
 _NO_KL = {"kl_coef": 0.0}
 _GRPO_CORE = {
     "advantage": "grpo",
     "scale": "group",
     **_CLIP,
-    "eps_low": 0.2,
-    "eps_high": 0.2,
     "aggregation": "seq_mean_token_mean",
     **_NO_KL,
 }
@@ -46,9 +50,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            **_CLIP,
-            "eps_low": 0.2,
-            "eps_high": 0.2,
+            "surrogate": _clip(0.2, 0.2),
+            "ratio_level": "token",
             "aggregation": "seq_mean_token_mean",
             **_NO_KL,
             "kl_estimator": "k3",
@@ -62,9 +65,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "dr_grpo",
             "scale": "none",
-            **_CLIP,
-            "eps_low": 0.2,
-            "eps_high": 0.2,
+            "surrogate": _clip(0.2, 0.2),
+            "ratio_level": "token",
             "aggregation": "seq_mean_token_sum_norm",
             **_NO_KL,
         },
@@ -76,9 +78,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            **_CLIP,
-            "eps_low": 0.2,
-            "eps_high": 0.28,
+            "surrogate": _clip(0.2, 0.28),
+            "ratio_level": "token",
             "aggregation": "token_mean",
             **_NO_KL,
             "dynamic_sampling": "zero_variance",
@@ -95,10 +96,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            "surrogate": "clip",
+            "surrogate": _clip(3e-4, 4e-4),
             "ratio_level": "sequence",
-            "eps_low": 3e-4,
-            "eps_high": 4e-4,
             "aggregation": "seq_mean_token_mean",
             **_NO_KL,
         },
@@ -110,10 +109,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            "surrogate": "clip",
+            "surrogate": _clip(0.4, 0.4),
             "ratio_level": "geometric",
-            "eps_low": 0.4,
-            "eps_high": 0.4,
             "aggregation": "seq_mean_token_mean",
             **_NO_KL,
         },
@@ -125,10 +122,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            "surrogate": "cispo",
+            "surrogate": {"type": "cispo", "eps_low": 10.0, "eps_high": 0.2},
             "ratio_level": "token",
-            "eps_low": 10.0,
-            "eps_high": 0.2,
             "aggregation": "token_mean",
             **_NO_KL,
         },
@@ -140,10 +135,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            "surrogate": "sapo",
+            "surrogate": {"type": "sapo", "tau_pos": 1.0, "tau_neg": 1.05},
             "ratio_level": "token",
-            "sapo_tau_pos": 1.0,
-            "sapo_tau_neg": 1.05,
             "aggregation": "seq_mean_token_mean",
             **_NO_KL,
         },
@@ -154,10 +147,8 @@ TEXT_PRESETS: list[dict] = [
         summary="Leave-one-out baseline, sequence-level clipped ratio, KL folded into the reward.",
         settings={
             "advantage": "rloo",
-            "surrogate": "clip",
+            "surrogate": _clip(0.2, 0.2),
             "ratio_level": "sequence",
-            "eps_low": 0.2,
-            "eps_high": 0.2,
             "aggregation": "seq_mean_token_mean",
             "kl_coef": 0.05,
             "kl_estimator": "k1",
@@ -170,9 +161,8 @@ TEXT_PRESETS: list[dict] = [
         summary="Group-mean baseline whitened over the batch, PPO clip, k2 KL in the loss (REINFORCE++).",
         settings={
             "advantage": "reinforce_pp_baseline",
-            **_CLIP,
-            "eps_low": 0.2,
-            "eps_high": 0.2,
+            "surrogate": _clip(0.2, 0.2),
+            "ratio_level": "token",
             "aggregation": "token_mean",
             "kl_coef": 0.001,
             "kl_estimator": "k2",
@@ -185,7 +175,7 @@ TEXT_PRESETS: list[dict] = [
         summary="Plain policy gradient with a rescaled group baseline; no ratio, clip, KL or reference.",
         settings={
             "advantage": "gpg",
-            "surrogate": "reinforce",
+            "surrogate": {"type": "reinforce"},
             "ratio_level": "token",
             "aggregation": "token_mean",
             **_NO_KL,
@@ -204,9 +194,8 @@ TEXT_PRESETS: list[dict] = [
         summary="Leave-one-out advantage; squared-error regression of the sequence log-ratio onto A/tau.",
         settings={
             "advantage": "rloo",
-            "surrogate": "pmd",
+            "surrogate": {"type": "pmd", "tau": 0.01},
             "ratio_level": "token",
-            "pmd_tau": 0.01,
             "aggregation": "seq_mean_token_mean",
             **_NO_KL,
         },
@@ -217,9 +206,8 @@ TEXT_PRESETS: list[dict] = [
         summary="Cross-entropy fit of the group softmax to the old policy tilted by exp(u / eta).",
         settings={
             "advantage": "tpo",
-            "surrogate": "tpo",
+            "surrogate": {"type": "tpo", "eta": 1.0},
             "ratio_level": "token",
-            "tpo_eta": 1.0,
             **_NO_KL,
         },
     ),
@@ -230,10 +218,8 @@ TEXT_PRESETS: list[dict] = [
         settings={
             "advantage": "grpo",
             "scale": "group",
-            **_CLIP,
-            "eps_low": 0.2,
-            "eps_high": 0.3,
-            "dual_clip_c": 3.0,
+            "surrogate": _clip(0.2, 0.3, dual_clip_c=3.0),
+            "ratio_level": "token",
             "aggregation": "delta_l",
             "delta_l_alpha": 0.75,
             **_NO_KL,

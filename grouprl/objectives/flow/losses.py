@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from grouprl.objectives.aggregation import masked_mean
-from grouprl.objectives.losses import policy_loss
+from grouprl.objectives.losses import ClipRange, policy_loss
 from grouprl.objectives.registry import Registry
 from grouprl.types import LossOutput
 
@@ -232,8 +232,8 @@ def awm_loss(
     old = logl if v_old is None else awm_log_likelihood(v_old, target, t_, weighting, p)
     adv = advantages.detach().float().clamp(-adv_clip_max, adv_clip_max) * (adv_max / adv_clip_max)
     pg = policy_loss(
-        logl, old.detach(), adv, valid, surrogate="clip", ratio_level="token", eps_low=clip,
-        eps_high=clip, aggregation="token_mean", num_tokens=num_terms,
+        logl, old.detach(), adv, valid, surrogate=ClipRange(clip, clip), ratio_level="token",
+        aggregation="token_mean", num_tokens=num_terms,
     )  # fmt: skip
     kl = _velocity_reg(v, v_ref, kl_coef, valid, num_terms)  # scalar
     ema = _velocity_reg(v, v_ema, ema_coef, valid, num_terms)  # scalar

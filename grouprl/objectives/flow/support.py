@@ -85,18 +85,21 @@ def ema_update_(tracked: Iterable[Tensor], params: Iterable[Tensor], decay: floa
         w.mul_(decay).add_(p.detach().to(w.dtype), alpha=1 - decay)
 
 
-# kwarg of each objective -> the `diffusion:` config field that sets it (config_diffusion.py)
+# kwarg of each objective -> the field of `diffusion.objective` that sets it (config/diffusion.py);
+# adv_clip_max is the section's own `diffusion.adv_clip_max`
 LIKELIHOOD_FREE_OPTIONS: dict[str, dict[str, str]] = {
-    "diffusion_nft": {"beta": "nft_beta", "adv_clip_max": "adv_clip_max"},
+    "diffusion_nft": {"beta": "beta"},
     "awm": {
-        "clip": "awm_clip", "weighting": "awm_weighting", "p": "awm_ghuber_p",
-        "adv_max": "awm_adv_max", "ema_coef": "awm_ema_coef", "adv_clip_max": "adv_clip_max",
+        "clip": "clip", "weighting": "weighting", "p": "ghuber_p", "adv_max": "adv_max",
+        "ema_coef": "ema_coef",
     },
 }  # fmt: skip
 
 
 def likelihood_free_options(diffusion_cfg: object) -> dict[str, object]:
     """The keyword options of `diffusion_cfg.objective`'s loss, read from the config section."""
-    name = diffusion_cfg.objective
+    objective = diffusion_cfg.objective
+    name = objective.type
     LIKELIHOOD_FREE[name]  # unknown names fail here, naming the allowed ones
-    return {kw: getattr(diffusion_cfg, f) for kw, f in LIKELIHOOD_FREE_OPTIONS[name].items()}
+    options = {kw: getattr(objective, f) for kw, f in LIKELIHOOD_FREE_OPTIONS[name].items()}
+    return {**options, "adv_clip_max": diffusion_cfg.adv_clip_max}

@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
+from grouprl.config.diffusion import NOISE_FIELD  # the diffusion: field of each sampler's noise
 from grouprl.runtime.user_inputs import import_user_module
 
 _MODULE_SPEC = re.compile(r"^(?P<module>[^:]+):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
-# the `diffusion:` field that sets each sampler's noise (samplers.SAMPLER_OPTIONS: noise_level / eta)
-NOISE_FIELD = {"flow_sde": "noise_level", "cps": "noise_level", "dance_sde": "eta", "ddim": "eta"}
 
 
 def is_module_spec(name: str) -> bool:
@@ -112,11 +111,9 @@ def _lora(cfg: Any) -> dict | None:
 
 
 def _steps(d: Any) -> dict:
-    return {
-        "name": d.train_steps, "fraction": d.train_fraction, "window_size": d.window_size,
-        "window_range": d.window_range, "shift_every": d.window_shift_every,
-        "shift_by": d.window_shift_by, "at_end": d.window_at_end,
-    }  # fmt: skip
+    """diffusion.train_steps ({type, knobs of that type}) -> StepSelectionSettings' keywords."""
+    settings = d.train_steps.model_dump()
+    return {"name": settings.pop("type"), **settings}
 
 
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:

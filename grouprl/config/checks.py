@@ -1,0 +1,93 @@
+"""Combination checks of a whole config: errors for settings that cannot work together, warnings
+for ones that rarely make sense (run after every section validated on its own)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grouprl.config.root import Config
+
+GROUP_BASELINES = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk"}
+IMAGE_MODELS = ("flow", "unet")
+
+
+def check_workload(cfg: Config) -> None:
+    """The built-in workloads agree with the model and task they are given."""
+    name, model_type = cfg.workload.type, cfg.model.type
+    if name in ("text", "agent") and model_type in IMAGE_MODELS:
+        raise ValueError(
+            f"workload {name!r} samples text, but model.type={model_type!r} is an image / video "
+            "policy; use workload: {type: images}"
+        )
+    if name == "images" and model_type not in IMAGE_MODELS:
+        raise ValueError(
+            f"workload 'images' needs model.type flow or unet, got {model_type!r}; a language "
+            "model runs with workload: {type: text} (or agent)"
+        )
+    if name == "agent" and cfg.task.name != "env":
+        raise ValueError(
+            f"workload 'agent' runs multi-turn episodes from task.name 'env', got "
+            f"{cfg.task.name!r}; single completions run with workload: {{type: text}}"
+        )
+    if name in ("text", "images") and cfg.task.name == "env":
+        raise ValueError(
+            f"task.name 'env' gives multi-turn episodes; it runs with workload: {{type: agent}}, "
+            f"not {name!r}"
+        )
+
+
+def check_combinations(cfg: Config) -> None:
+    """Errors for settings that cannot work together, warnings for ones that rarely make sense."""
+    check_workload(cfg)
+    a, r = cfg.algorithm, cfg.rollout
+    if r.group_size == 1 and a.advantage in GROUP_BASELINES:
+        raise ValueError(
+            f"rollout.group_size=1 with advantage={a.advantage!r}: every estimator here compares a "
+            "sample with its own group, so a group of one has advantage 0 and nothing is learned; "
+            "use group_size >= 2"
+        )
+    n = r.prompts_per_step * r.group_size
+    if n % a.minibatches:
+        raise ValueError(
+            f"algorithm.minibatches={a.minibatches} must divide the batch of "
+            f"prompts_per_step * group_size = {n} samples"
+        )
+    if a.ratio_level == "sequence" and a.aggregation in ("token_mean", "seq_mean_token_sum",
+                                                         "seq_mean_token_sum_norm"):  # fmt: skip
+        warnings.warn(
+            f"ratio_level='sequence' (GSPO) with aggregation={a.aggregation!r}: the sequence ratio "
+            "is one number per sequence, and token-sum style aggregation weights it by length; "
+            "GSPO uses seq_mean_token_mean",
+            stacklevel=2,
+        )
+    if a.kl_weighting == "importance" and (
+        a.kl_mode != "loss" or a.kl_coef == 0 or a.ratio_level == "geometric"
+    ):
+        raise ValueError(
+            "algorithm.kl_weighting='importance' weights the KL loss term by pi_theta/pi_old; it "
+            "needs kl_mode='loss', kl_coef > 0 and ratio_level 'token' or 'sequence' (got "
+            f"{a.kl_mode!r}, {a.kl_coef}, {a.ratio_level!r})"
+        )
+    if a.surrogate.type == "sapo" and a.aggregation != "seq_mean_token_mean":
+        warnings.warn("SAPO is defined with seq_mean_token_mean aggregation", stacklevel=2)
+    if a.reward_aggregation == "normalize_then_sum" and (a.advantage, a.scale) != ("grpo", "group"):
+        raise ValueError(
+            "reward_aggregation='normalize_then_sum' (GDPO) defines the whole advantage; it needs "
+            f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
+        )
+    from grouprl.workloads import refuse_unsupported, workload_of  # imports the modalities
+
+    refuse_unsupported(workload_of(cfg), cfg)  # options the workload cannot honour (one process)
+    d = cfg.diffusion
+    guard = d is not None and getattr(d.objective, "ratio_norm", "off") == "grpo_guard"
+    if guard and not hasattr(a.surrogate, "eps_high"):
+        raise ValueError(
+            "diffusion.ratio_norm='grpo_guard' clips with algorithm.surrogate.eps_high; surrogate "
+            f"{a.surrogate.type!r} has no clip range (use type clip)"
+        )
+    if a.advantage == "dr_grpo" and a.scale != "none":
+        warnings.warn(
+            "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
+        )

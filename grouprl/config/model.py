@@ -1,0 +1,112 @@
+"""The `model:` section, typed by `model.type`: a language model (causal_lm) or an image / video
+policy (flow, unet). Each type carries only its own fields; a field of the other type is an error
+naming the allowed ones (a text config setting `negative_prompt` fails).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from grouprl.config.section import Section
+
+
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names that get adapters.",
+    )
+
+
+# fields both policy kinds have (one definition each)
+NameOrPath = Annotated[
+    str,
+    Field(
+        description="Hub id or local save_pretrained folder (flow / unet: a diffusers pipeline "
+        "folder or hub id; or a user velocity module class 'package.module:Class' / "
+        "'file.py:Class')."
+    ),
+]
+Dtype = Annotated[
+    Literal["float32", "bfloat16", "float16"],
+    Field(
+        description="Compute dtype (autocast) and the frozen weights' storage; trainable weights "
+        "and optimizer state stay float32 (master weights); float16 adds dynamic loss scaling."
+    ),
+]
+LoRA = Annotated[
+    LoRAConfig | None, Field(description="Train LoRA adapters instead of all weights.")
+]
+GradientCheckpointing = Annotated[
+    bool,
+    Field(
+        description="Recompute activations in backward (transformers' switch for causal_lm, "
+        "diffusers' for the flow transformer / UNet; an error where the model has none)."
+    ),
+]
+
+
+class TextModelConfig(Section):
+    """A causal language model (transformers), workloads text and agent."""
+
+    type: Literal["causal_lm"] = Field("causal_lm", description="A causal LM (text).")
+    name_or_path: NameOrPath
+    dtype: Dtype = "float32"
+    lora: LoRA = None
+    gradient_checkpointing: GradientCheckpointing = False
+    logprob_chunk_size: int | None = Field(
+        None, ge=1, description="Rows per LM-head chunk when scoring (None: policy default)."
+    )
+    logprob_path: Literal["fast", "plain"] = Field(
+        "fast",
+        description="Scoring: fast (each group's prompt once, fused LM head over the real "
+        "completion tokens) or plain (one [prompt | completion] pass); same numbers.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+
+
+class ImageModelConfig(Section):
+    """An image / video policy (grouprl/policies/flow/build.py), workload images."""
+
+    type: Literal["flow", "unet"] = Field(
+        "flow",
+        description="flow (a diffusers flow transformer pipeline: SD3 / FLUX / Wan, or a user "
+        "velocity module), unet (SD 1.x UNet with DDIM, DDPO).",
+    )
+    name_or_path: NameOrPath
+    dtype: Dtype = "float32"
+    lora: LoRA = None
+    gradient_checkpointing: GradientCheckpointing = False
+    weights: str | None = Field(
+        None,
+        description="User velocity module: folder of its weights (Class.from_pretrained(folder), or "
+        "its *.safetensors loaded into Class(**module_options)); None: fresh weights.",
+    )
+    module_options: dict[str, Any] = Field(
+        default_factory=dict, description="User velocity module: constructor keyword arguments."
+    )
+    condition: Literal["prompt", "class_label"] = Field(
+        "prompt",
+        description="prompt: text embeddings of the example's prompt (cached); class_label: the "
+        "example's class_label column (class-conditional user modules).",
+    )
+    null_label: int | None = Field(
+        None, ge=0, description="class_label: the model's 'no class' id (needed for CFG)."
+    )
+    pixel_range: Literal["zero_one", "minus_one_one"] = Field(
+        "minus_one_one", description="A model without VAE works in pixels of this range."
+    )
+    negative_prompt: str = Field(
+        "", description="Unconditional prompt of classifier-free guidance."
+    )
+    max_sequence_length: int | None = Field(
+        None, ge=1, description="T5 prompt length (None: the pipeline's default)."
+    )
+
+
+ModelConfig = Annotated[TextModelConfig | ImageModelConfig, Field(discriminator="type")]
+DEFAULT_MODEL_TYPE = "causal_lm"  # a model mapping without `type`

@@ -1,0 +1,69 @@
+"""The `rollout:` section: generation engine, batch shape, sampling and the vLLM options."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grouprl.config.section import Section
+
+
+class VLLMConfig(Section):
+    """rollout.engine 'vllm': the in-process vllm.LLM (see grouprl/policies/text/engines/vllm.py)."""
+
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of GPU memory vLLM takes (weights + KV cache)."
+    )
+    cpu_kvcache_gb: int = Field(1, ge=1, description="CPU builds: KV-cache GiB.")
+    prefix_caching: Literal["on", "off"] = Field("on", description="Share cached prompt blocks.")
+    enforce_eager: bool = Field(
+        True, description="No torch.compile / CUDA graphs (fast start; False: faster GPU decode)."
+    )
+    sleep: Literal["off", "level1", "level2"] = Field(
+        "off",
+        description="GPU only: sleep between rollouts to free memory for training "
+        "(level1 offloads weights to CPU, level2 drops them; both drop the KV cache).",
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Context limit (None: model's).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences per batch (None: vLLM's).")
+
+
+class RolloutConfig(Section):
+    engine: Literal["fast", "hf", "vllm"] = Field(
+        "fast",
+        description="Generation backend: fast (grouprl's decode loop on the trained model: prompt "
+        "prefilled once per group, exact sampling log-probs), hf (transformers generate, same "
+        "distribution) or vllm (in-process).",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
+    group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (None: the model's context minus max_new_tokens, "
+        "which also always bounds it); see prompt_overflow.",
+    )
+    prompt_overflow: Literal["filter", "truncate", "error"] = Field(
+        "filter",
+        description="A prompt over the limit: filter (left out, count warned), truncate (keep its "
+        "last tokens, count warned) or error (naming the row); checked once before training.",
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_new_tokens: int = Field(64, ge=1, description="Longest completion (L_max).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    seeding: Literal["global", "per_sample"] = Field(
+        "global",
+        description="global: torch's RNG; per_sample: each completion samples from its own "
+        "generator seeded by (run.seed, group id, index; agents: and the turn), so samples do not "
+        "depend on the process count, the batch split or other RNG use (multi-process and async "
+        "runs reproduce). Text rollouts only (an error with model.type flow / unet).",
+    )
+    old_logp: Literal["recompute", "engine"] = Field(
+        "recompute",
+        description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
+        "engine: trust the engine's sampling log-probs.",
+    )
