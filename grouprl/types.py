@@ -87,6 +87,9 @@ class Rollout:
     token_scales: Float[N, T]|None  per-token loss scales (lambda-GRPO, EGSW), detached
     seq_weights:  Float[N]|None     per-sequence loss weights (Delta-L), detached
     step_ids / step_rewards / anchor_keys: multi-turn extras (agents)
+    examples:     list[dict]|None   the dataset example of each sample (what the loop reads, e.g. the
+                                    curriculum's source column); set by the single-turn text and
+                                    image rollouts
     info:         dict of per-sample lists (prompt text, completion text, answers ...)
     """
 
@@ -103,6 +106,7 @@ class Rollout:
     step_ids: Tensor | None = None
     step_rewards: Tensor | None = None
     anchor_keys: list | None = None
+    examples: list[dict] | None = None
     info: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:

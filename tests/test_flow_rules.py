@@ -176,3 +176,50 @@ def test_rules_and_default_rules_keywords_do_not_mix():
         FlowPolicy(Velocity(), latent_shape=(1, 2, 2), family="module", rules=DDIMRules())
     with pytest.raises(ValueError, match="sampler must be one of"):
         FlowMatchRules({}, "ddim")
+
+
+def test_diffusion_sigma_spacing_reaches_the_rules(tmp_path):
+    """diffusion.sigma_spacing set in the config is the schedule's (it used to be written onto the
+    family after the policy had fixed its spacing, and was ignored); model.type unet refuses it."""
+    from test_diffusion_train import module_cfg
+
+    from grouprl.policies.flow.build import build_flow_policy
+
+    cpu = torch.device("cpu")
+    pol = build_flow_policy(module_cfg(tmp_path, "diffusion.sigma_spacing=linear"), cpu)
+    torch.testing.assert_close(
+        pol.rules.set_timesteps(4)["sigmas"], torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    )
+    default = build_flow_policy(module_cfg(tmp_path), cpu).rules.set_timesteps(4)["sigmas"]
+    assert not torch.allclose(default, torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    unet = module_cfg(tmp_path, "model.type=unet", "diffusion.sampler=ddim",
+                      "diffusion.sigma_spacing=linear")  # fmt: skip
+    with pytest.raises(ValueError, match="remove diffusion.sigma_spacing"):
+        build_flow_policy(unet, cpu)
+
+
+def test_collect_and_prepare_fill_typed_fields_not_info(tmp_path):
+    """The examples and the reference means the loss reads travel in Rollout.examples and
+    FlowBatch.ref_mean; the loss reads no `info` entry (info is for logs)."""
+    from test_diffusion_train import module_cfg
+
+    from grouprl.envs.tasks import build_task
+    from grouprl.objectives.objective import count_tokens
+    from grouprl.policies.flow.build import build_flow_policy
+    from grouprl.rollouts import image_loss, images
+
+    cfg = module_cfg(tmp_path, "algorithm.kl_coef=0.1", "algorithm.minibatches=1")
+    policy = build_flow_policy(cfg, torch.device("cpu"))
+    task = build_task(cfg.task.name, **cfg.task.options)
+    rollout, _ = images.collect(cfg, policy, task.train[:2], dict(task.reward_fns))
+    assert rollout.examples == [ex for ex in task.train[:2] for _ in range(4)]
+    image_loss.prepare(cfg, policy, rollout, {"color_area": 1.0})
+    with policy.reference() as ref:
+        want = ref.log_probs(rollout.actions).extras["mean"]  # [N, K, *latent]
+    torch.testing.assert_close(rollout.actions.ref_mean, want, rtol=0, atol=0)
+    assert "ref_mean" not in rollout.info
+    rollout.info.clear()  # nothing the loss needs lives there
+    sub = rollout.select(torch.arange(4))
+    assert sub.actions.ref_mean.shape[0] == 4
+    res, _ = image_loss.micro_loss(cfg, policy, sub, count_tokens(rollout.mask), True)
+    assert res.metrics["kl"] >= 0.0 and torch.isfinite(res.loss)

@@ -67,6 +67,7 @@ def test_collect_shapes_group_ids_and_rewards(policy):
     assert call["truncated"] == b.truncated.tolist()
     assert call["max_new_tokens"] == PARAMS.max_new_tokens
     assert rollout.info["example"] == [ex for ex in EXAMPLES for _ in range(4)]
+    assert rollout.examples == rollout.info["example"]  # the typed field the loop reads
     assert rollout.info["prompt"] == call["prompts"]
 
 

@@ -132,7 +132,8 @@ def collect(
     """rollout.group_size images per example, decoded and scored; returns (Rollout, error counts).
 
     Rollout: actions FlowBatch, old_logp / mask [N, K] (likelihood-free: mask = the candidate
-    training timesteps), rewards name -> Float[N], info prompt / example per sample."""
+    training timesteps), rewards name -> Float[N], examples (one per sample; also info prompt /
+    example for the logs)."""
     d, g = cfg.diffusion, cfg.rollout.group_size
     cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
@@ -157,6 +158,7 @@ def collect(
                                            first_errors=first_errors)  # fmt: skip
     rollout.info["prompt"] = [ex.get("prompt", "") for ex in repeated]
     rollout.info["example"] = repeated
+    rollout.examples = repeated
     return rollout, errors
 
 

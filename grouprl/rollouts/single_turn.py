@@ -59,4 +59,5 @@ def collect(
         first_errors=first_errors,
     )
     rollout.info["example"] = repeated
+    rollout.examples = repeated
     return rollout, errors
