@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         rollout_steps=a.steps)  # fmt: skip
     cond = FlowCondition({"prompt_embeds": emb, "pooled_prompt_embeds": pooled})
     g_opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
-    sched = policy._schedule(a.steps)
+    sched = policy.rules.set_timesteps(a.steps)
     sigmas, timesteps = sched["sigmas"], sched["timesteps"]  # [K+1] each
     ref_model = copy.deepcopy(base).train()
     r_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-5)

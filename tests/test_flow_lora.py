@@ -1,5 +1,5 @@
-"""LoRA interop with diffusers: files written by FlowPolicy / UNetPolicy.save_pretrained load into
-diffusers pipelines (`load_lora_weights`) and models (`from_pretrained`) and give the policy's
+"""LoRA interop with diffusers: files written by FlowPolicy.save_pretrained (flow and DDIM rules)
+load into diffusers pipelines (`load_lora_weights`) and models (`from_pretrained`) and give the policy's
 outputs; round trips through load_saved_weights; mismatches fail loudly."""
 
 import json
@@ -17,7 +17,7 @@ from grouprl.policies.flow.tiny import (
     tiny_unet,
     tiny_vae,
 )
-from grouprl.policies.flow.unet import UNetPolicy
+from grouprl.policies.flow.unet import ddim_policy
 
 
 def _perturb_lora(policy, seed=1):
@@ -147,7 +147,7 @@ def test_flux_lora_loads_into_the_flux_pipeline(tmp_path):
 def test_unet_lora_loads_into_the_sd_pipeline(tmp_path):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    pol = UNetPolicy(tiny_unet(), latent_shape=(4, 8, 8), lora={"r": 4, "alpha": 4})
+    pol = ddim_policy(tiny_unet(), latent_shape=(4, 8, 8), lora={"r": 4, "alpha": 4})
     _perturb_lora(pol)
     pol.save_pretrained(tmp_path)
     pipe = StableDiffusionPipeline(unet=tiny_unet(), vae=tiny_vae(sd3_factors=False),

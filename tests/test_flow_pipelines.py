@@ -117,7 +117,7 @@ def test_sd3_sigmas_are_the_pipeline_schedulers(tmp_path, pipelines, k):
     sched = FlowMatchEulerDiscreteScheduler.from_pretrained(pipelines["sd3"], subfolder="scheduler")
     sched.set_timesteps(k)  # what StableDiffusion3Pipeline does (no sigmas, no mu)
     assert sched.config.shift == 3.0
-    torch.testing.assert_close(pol._schedule(k)["sigmas"], sched.sigmas.float())
+    torch.testing.assert_close(pol.rules.set_timesteps(k)["sigmas"], sched.sigmas.float())
 
 
 @pytest.mark.parametrize("k", [3, 10])
@@ -129,7 +129,7 @@ def test_wan_sigmas_use_unipc_flow_shift(tmp_path, pipelines, k):
     sched = UniPCMultistepScheduler.from_pretrained(pipelines["wan"], subfolder="scheduler")
     sched.set_timesteps(k)  # WanPipeline: scheduler.set_timesteps(num_inference_steps)
     assert sched.config.flow_shift == 3.0
-    ours = pol._schedule(k)
+    ours = pol.rules.set_timesteps(k)
     torch.testing.assert_close(ours["sigmas"], torch.as_tensor(sched.sigmas).float())
     torch.testing.assert_close(ours["timesteps"][:-1], sched.timesteps.float(), atol=1, rtol=0)
 
@@ -148,7 +148,7 @@ def test_flux_sigmas_use_dynamic_shifting_from_the_image_size(tmp_path, pipeline
     mu = calculate_shift(seq, sched.config.base_image_seq_len, sched.config.max_image_seq_len,
                          sched.config.base_shift, sched.config.max_shift)  # fmt: skip
     retrieve_timesteps(sched, k, "cpu", sigmas=np.linspace(1.0, 1 / k, k), mu=mu)
-    torch.testing.assert_close(pol._schedule(k)["sigmas"], sched.sigmas.float())
+    torch.testing.assert_close(pol.rules.set_timesteps(k)["sigmas"], sched.sigmas.float())
 
 
 def test_flux_explicit_shift_replaces_dynamic_shifting_and_says_so(tmp_path, pipelines):
@@ -159,9 +159,11 @@ def test_flux_explicit_shift_replaces_dynamic_shifting_and_says_so(tmp_path, pip
         pol = _policy(tmp_path, pipelines, "flux", "diffusion.shift=3.0")
     plain = FlowMatchEulerDiscreteScheduler(shift=3.0)
     plain.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4))
-    torch.testing.assert_close(pol._schedule(4)["sigmas"], plain.sigmas.float())
+    torch.testing.assert_close(pol.rules.set_timesteps(4)["sigmas"], plain.sigmas.float())
     default = _policy(tmp_path, pipelines, "flux")
-    assert not torch.allclose(pol._schedule(4)["sigmas"], default._schedule(4)["sigmas"])
+    assert not torch.allclose(
+        pol.rules.set_timesteps(4)["sigmas"], default.rules.set_timesteps(4)["sigmas"]
+    )
 
 
 def test_wan_explicit_shift_sets_flow_shift(tmp_path, pipelines):
@@ -171,7 +173,9 @@ def test_wan_explicit_shift_sets_flow_shift(tmp_path, pipelines):
         pol = _policy(tmp_path, pipelines, "wan", "diffusion.shift=5.0")
     sched = UniPCMultistepScheduler(**{**WAN_SCHED, "flow_shift": 5.0})
     sched.set_timesteps(3)
-    torch.testing.assert_close(pol._schedule(3)["sigmas"], torch.as_tensor(sched.sigmas).float())
+    torch.testing.assert_close(
+        pol.rules.set_timesteps(3)["sigmas"], torch.as_tensor(sched.sigmas).float()
+    )
 
 
 def test_sd15_ddim_schedule_comes_from_the_pipeline_scheduler(tmp_path, pipelines):
@@ -182,7 +186,7 @@ def test_sd15_ddim_schedule_comes_from_the_pipeline_scheduler(tmp_path, pipeline
     pndm = PNDMScheduler.from_pretrained(pipelines["sd15"], subfolder="scheduler")
     ddim = DDIMScheduler.from_config(pndm.config)
     ddim.set_timesteps(5)
-    ours = pol._schedule(5)
+    ours = pol.rules.set_timesteps(5)
     assert ours["timesteps"][:-1].long().tolist() == ddim.timesteps.tolist()
     torch.testing.assert_close(ours["alphas"][:-1], ddim.alphas_cumprod[ddim.timesteps].float())
     with pytest.raises(ValueError, match="diffusion.shift is a flow-matching setting"):

@@ -248,7 +248,7 @@ def test_window_selection_ode_outside_the_window():
     # a deterministic step is the Euler step x + (sigma_next - sigma) v of the stored latents
     row, k = 0, int((~b.stochastic[0]).nonzero()[0])
     with torch.no_grad():
-        v = pol._predict(pol.model, b.latents[:, k], {"sigmas": b.sigmas, "timesteps": b.timesteps},
+        v = pol.predict(pol.model, b.latents[:, k], {"sigmas": b.sigmas, "timesteps": b.timesteps},
                          k, b.cond, b.guidance_scale)  # fmt: skip
     expected = b.latents[row, k] + (b.sigmas[row, k + 1] - b.sigmas[row, k]) * v[row]
     torch.testing.assert_close(b.latents[row, k + 1], expected, rtol=0, atol=1e-6)
@@ -282,7 +282,7 @@ def test_denoising_reduction_and_chunking():
     assert (
         ev.actions.latents.shape[1] == 9 and not ev.mask.any() and not ev.actions.stochastic.any()
     )
-    torch.testing.assert_close(ev.actions.sigmas[0], _sd3()._schedule(8)["sigmas"])
+    torch.testing.assert_close(ev.actions.sigmas[0], _sd3().rules.set_timesteps(8)["sigmas"])
     chunked = pol.sample(_sd3_cond(), 2, generator=_gen(), mode="eval", chunk_size=1)
     torch.testing.assert_close(chunked.actions.final, ev.actions.final, rtol=0, atol=1e-6)
 

@@ -1,5 +1,6 @@
-"""UNetPolicy (DDIM, DDPO) on a tiny SD 1.x UNet built from config: pipeline parity at eta 0, exact
-re-scoring at eta 1 with CFG, the DDIM schedule, reference / KL, one train step, errors."""
+"""The DDIM policy (FlowPolicy + DDIMRules, unet.ddim_policy; DDPO) on a tiny SD 1.x UNet built
+from config: pipeline parity at eta 0, exact re-scoring at eta 1 with CFG, the DDIM schedule,
+reference / KL, one train step, errors."""
 
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ from grouprl.objectives import compute_advantages
 from grouprl.objectives.objective import count_tokens, total_loss
 from grouprl.policies.flow.tiny import tiny_unet, tiny_vae
 from grouprl.policies.flow.types import FlowCondition
-from grouprl.policies.flow.unet import DDPO_SCHEDULER, UNetPolicy
+from grouprl.policies.flow.unet import DDPO_SCHEDULER, ddim_policy
 
 
 def _gen(seed=0):
@@ -20,7 +21,7 @@ def _gen(seed=0):
 
 def _policy(**kw):
     kw = {"latent_shape": (4, 8, 8), "vae": tiny_vae(sd3_factors=False), "rollout_steps": 5, **kw}
-    return UNetPolicy(tiny_unet(), **kw)
+    return ddim_policy(tiny_unet(), **kw)
 
 
 def _cond(b=2):
@@ -51,7 +52,7 @@ def test_ddim_schedule_slots():
 
     sched = DDIMScheduler(**DDPO_SCHEDULER)
     sched.set_timesteps(4)  # leading spacing, offset 1: [751, 501, 251, 1]
-    cols = _policy()._schedule(4)
+    cols = _policy().rules.set_timesteps(4)
     assert cols["timesteps"].tolist() == [751.0, 501.0, 251.0, 1.0, 0.0]
     ac = sched.alphas_cumprod
     expected = torch.stack([ac[751], ac[501], ac[251], ac[1], sched.final_alpha_cumprod])

@@ -27,7 +27,7 @@ epochs > 1. With full fine-tuning a resumed run restarts the old / EMA weights f
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -47,15 +47,19 @@ from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout
 
+if TYPE_CHECKING:
+    from grouprl.policies.flow.policy import FlowPolicy, ReferenceScorer
+    from grouprl.policies.flow.types import FlowBatch
 
-def _score(scorer: Any, batch: Any, chunk: int | None) -> PolicyOutput:
+
+def _score(
+    scorer: FlowPolicy | ReferenceScorer, batch: FlowBatch, chunk: int | None
+) -> PolicyOutput:
     """No-grad log_probs of the whole batch, in row chunks of `chunk` (None: one call)."""
     n = len(batch)
     if chunk is None or chunk >= n:
         return scorer.log_probs(batch)
-    from grouprl.types import select_rows
-
-    parts = [scorer.log_probs(select_rows(batch, torch.arange(i, min(i + chunk, n)), n))
+    parts = [scorer.log_probs(batch.select(torch.arange(i, min(i + chunk, n))))
              for i in range(0, n, chunk)]  # fmt: skip
     return PolicyOutput(
         logp=torch.cat([p.logp for p in parts]),
@@ -64,7 +68,9 @@ def _score(scorer: Any, batch: Any, chunk: int | None) -> PolicyOutput:
 
 
 @torch.no_grad()
-def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
+def prepare(
+    cfg: Any, policy: FlowPolicy, rollout: Rollout, weights: dict[str, float]
+) -> dict[str, float]:
     """Fill advantages (and old / reference scores) on the rollout; return reward metrics."""
     a, d = cfg.algorithm, cfg.diffusion
     batch, chunk = rollout.actions, cfg.train.micro_batch_size
@@ -80,7 +86,7 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             with policy.reference() as ref:
                 ref_out = _score(ref, batch, chunk)
             rollout.ref_logp = ref_out.logp  # [N, K]
-            rollout.info["ref_mean"] = ref_out.extras["mean"]  # [N, K, *latent]
+            batch.ref_mean = ref_out.extras["mean"]  # [N, K, *latent]
             if a.kl_mode == "reward":
                 current = current or _score(policy, batch, chunk)
                 kl = policy.kl(current, ref_out).masked_fill(~rollout.mask, 0.0)  # [N, K]
@@ -111,7 +117,7 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
 
 
 def micro_loss(
-    cfg: Any, policy: Any, sub: Rollout, counts: dict, single_pass: bool
+    cfg: Any, policy: FlowPolicy, sub: Rollout, counts: dict, single_pass: bool
 ) -> tuple[LossOutput, Tensor]:
     """The loss of micro-batch `sub` and the old log-probs it used, [n, K] (module docstring)."""
     return OBJECTIVES[cfg.diffusion.objective.type](cfg, policy, sub, counts, single_pass)
@@ -123,7 +129,7 @@ def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput,
     old = out.logp.detach() if single_pass else sub.old_logp  # [n, K]
     kl_out = None
     if sub.ref_logp is not None:
-        ref_out = PolicyOutput(logp=sub.ref_logp, extras={"mean": sub.info["ref_mean"]})
+        ref_out = PolicyOutput(logp=sub.ref_logp, extras={"mean": sub.actions.ref_mean})
         kl_out = policy.kl(out, ref_out)  # [n, K]
     if d.objective.ratio_norm == "grpo_guard":
         res = _guard_loss(cfg, policy, sub, out, old, kl_out, counts, single_pass)
@@ -208,7 +214,7 @@ OBJECTIVES = {
 }
 
 
-def after_update(cfg: Any, policy: Any, step: int) -> dict[str, float]:
+def after_update(cfg: Any, policy: FlowPolicy, step: int) -> dict[str, float]:
     """Old (DiffusionNFT) / EMA (AWM with awm_ema_coef > 0) weights follow the trained ones."""
     d = cfg.diffusion
     if needs_old_weights(cfg):

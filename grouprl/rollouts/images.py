@@ -2,7 +2,7 @@
 decode, score with image rewards -> a Rollout; held-out evaluation with fixed prompts and seeds and
 image grids saved as PNG.
 
-Glue between train.py, the flow policies (policies/flow.py, unet.py) and the reward functions
+Glue between train.py, the flow policy (policies/flow/policy.py: FlowPolicy with flow or DDIM rules) and the reward functions
 (envs/rewards: fn(images, prompts=..., **columns) -> list[float | None]). The loss side (advantages,
 KL, GRPO-Guard, DiffusionNFT / AWM) is rollouts/image_loss.py.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,17 +37,20 @@ from grouprl.policies.flow.weights import OLD
 from grouprl.rollouts.filters import combined_reward
 from grouprl.types import Rollout
 
+if TYPE_CHECKING:
+    from grouprl.policies.flow.policy import FlowPolicy
+
 
 def is_images(cfg: Any) -> bool:
     """True when the policy draws images or video (model.type flow or unet)."""
     return cfg.model.type in ("flow", "unet")
 
 
-def _prompt_condition(cfg: Any, policy: Any, examples: list[dict]):
+def _prompt_condition(cfg: Any, policy: FlowPolicy, examples: list[dict]):
     return policy.encode([ex["prompt"] for ex in examples])
 
 
-def _class_condition(cfg: Any, policy: Any, examples: list[dict]):
+def _class_condition(cfg: Any, policy: FlowPolicy, examples: list[dict]):
     from grouprl.policies.flow.text_encoders import class_condition
 
     missing = [ex.get("prompt") for ex in examples if "class_label" not in ex]
@@ -103,7 +106,7 @@ def needs_old_weights(cfg: Any) -> bool:
     return o.type == "diffusion_nft" or (o.type == "awm" and o.ema_coef > 0)
 
 
-def has_old_weights(policy: Any) -> bool:
+def has_old_weights(policy: FlowPolicy) -> bool:
     return any(k.startswith(OLD) for k in policy.state_dict())
 
 
@@ -121,7 +124,7 @@ def lf_mask(cfg: Any, n: int, k: int) -> Tensor:
 @torch.no_grad()
 def collect(
     cfg: Any,
-    policy: Any,
+    policy: FlowPolicy,
     examples: list[dict],
     reward_fns: dict[str, Callable],
     *,
@@ -132,7 +135,8 @@ def collect(
     """rollout.group_size images per example, decoded and scored; returns (Rollout, error counts).
 
     Rollout: actions FlowBatch, old_logp / mask [N, K] (likelihood-free: mask = the candidate
-    training timesteps), rewards name -> Float[N], info prompt / example per sample."""
+    training timesteps), rewards name -> Float[N], examples (one per sample; also info prompt /
+    example for the logs)."""
     d, g = cfg.diffusion, cfg.rollout.group_size
     cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
@@ -167,7 +171,7 @@ def collect(
 @torch.no_grad()
 def evaluate(
     cfg: Any,
-    policy: Any,
+    policy: FlowPolicy,
     examples: list[dict],
     reward_fns: dict[str, Callable],
     weights: dict[str, float],

@@ -1,4 +1,5 @@
-"""Builders for image / video policies: the `model:` and `diffusion:` sections -> FlowPolicy / UNetPolicy.
+"""Builders for image / video policies: the `model:` and `diffusion:` sections -> a FlowPolicy (flow
+rules for model.type flow, DDIM rules for model.type unet).
 
 model.type "flow":
 - a diffusers pipeline folder or hub id (SD3, FLUX, Wan): the denoiser named in model_index.json
@@ -117,9 +118,9 @@ def _steps(d: Any) -> dict:
 
 
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:
-    """FlowPolicy (model.type flow) or UNetPolicy (unet) from the config (module docstring)."""
+    """FlowPolicy with flow rules (model.type flow) or DDIM rules (unet) from the config."""
     from grouprl.policies.flow.policy import FlowPolicy, PromptEncoder, latent_shape_for
-    from grouprl.policies.flow.unet import UNetPolicy, ddim_config
+    from grouprl.policies.flow.unet import ddim_config, ddim_policy
 
     m, d = cfg.model, cfg.diffusion
     sampler = "flow_sde" if d.sampler == "ode" else d.sampler
@@ -135,6 +136,13 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         initial_noise="shared" if d.shared_noise == "group" else "independent",
         compute_dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
     )  # fmt: skip
+    if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
+        if m.type == "unet":
+            raise ValueError(
+                "diffusion.sigma_spacing is a flow-matching setting; model.type unet samples "
+                "with DDIM timesteps (remove diffusion.sigma_spacing)"
+            )
+        common["sigma_spacing"] = d.sigma_spacing
     if m.type == "flow" and is_module_spec(m.name_or_path):
         if d.num_frames != 1:
             raise ValueError("a user velocity module is an image model: diffusion.num_frames = 1")
@@ -168,19 +176,15 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
                     "diffusion.shift is a flow-matching setting; model.type unet "
                     "samples with its pipeline's DDPM betas (remove diffusion.shift)"
                 )
-            policy = UNetPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
-                                scheduler_config=ddim_config(sched), pipeline_source=source,
-                                **common)  # fmt: skip
+            policy = ddim_policy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
+                                 scheduler_config=ddim_config(sched), pipeline_source=source,
+                                 **common)  # fmt: skip
         else:
             if d.shift is not None:
                 sched = _override_shift(sched, d.shift)
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=sched, pipeline_source=source,
                                 **common)  # fmt: skip
-    if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
-        from dataclasses import replace
-
-        policy.family = replace(policy.family, sigma_spacing=d.sigma_spacing)
     if cfg.algorithm.kl_coef > 0 and policy.lora is None:
         # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
         # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)

@@ -5,18 +5,23 @@ Gaussian log-prob (Flow-GRPO arXiv 2505.05470; DanceGRPO arXiv 2505.07818; MixGR
 and a mask, and `kl` replaces the token KL by the Gaussian mean-space KL.
 
 Public API (everything a loop or a user touches):
-  FlowPolicy(model, *, latent_shape, scheduler_config=None, vae=None, family=None,
-             prompt_encoder=None, lora=None, sampler="flow_sde", noise_level=0.7,
-             rollout_steps=10, eval_steps=40, guidance_scale=1.0, embedded_guidance=3.5,
-             train_cfg="same", steps=None, initial_noise="independent", kl_form="flow_grpo",
-             pixel_range="zero_one", sigma_spacing=None, compute_dtype=None,
-             gradient_checkpointing=False, pipeline_source=None)
+  FlowPolicy(model, *, latent_shape, rules=None, vae=None, family=None, prompt_encoder=None,
+             lora=None, rollout_steps=10, eval_steps=40, guidance_scale=1.0,
+             embedded_guidance=3.5, train_cfg="same", steps=None, initial_noise="independent",
+             pixel_range="zero_one", compute_dtype=None, gradient_checkpointing=False,
+             pipeline_source=None,
+             scheduler_config=None, sampler=None, noise_level=None, kl_form=None,
+             sigma_spacing=None)   the last five build the default rules (rules=None only)
+  .rules                                                the step rules (rules.py): set_timesteps,
+                                                        step, kl_var; FlowMatchRules or DDIMRules
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
           store_means=False) -> Rollout                 actions=FlowBatch, old_logp [N, K], mask
   .log_probs(batch, *, steps=None, **ignored) -> PolicyOutput  logp [n, K]; extras mean [n, K, ...],
                                                         std [n, K], kl_var [n, K]
+  .score_with(model, batch, steps) -> PolicyOutput      the same under other weights (no grad)
+  .predict(model, x, cols, k, cond, gscale) -> [B, *latent]  one denoiser call (CFG, dtypes)
   .reference() -> context yielding .log_probs(batch) (no grad): LoRA off, or a lazy frozen copy
   .kl(out, ref_out) -> [n, K];  .reference_kl(batch, out) -> [n, K]
   .decode(latents) -> images Float[N, 3, H, W] (video [N, 3, F, H, W]) in [0, 1]
@@ -25,6 +30,11 @@ Public API (everything a loop or a user touches):
   .trainable_parameters() .train() .eval() .to() .state_dict() .load_state_dict()
   .save_pretrained(dir, merge_lora=False) .load_saved_weights(dir)
   latent_shape_for(model, vae, height, width, num_frames=None, family=None) -> tuple
+
+Composition: the denoiser family (models.py: how to call SD3 / FLUX / Wan / a UNet / a user
+module) and the step rules (rules.py: the schedule and the step) are separate choices. DDIM over an
+SD 1.x UNet is `FlowPolicy(unet, family="unet", rules=DDIMRules(...))` (unet.ddim_policy builds it
+with DDPO's defaults); any object with the StepRules methods can be passed as `rules`.
 
 Choices and deviations:
 - Exact re-scoring: log_probs runs the same forward (same dtype casts, same CFG batching) on the
@@ -41,8 +51,8 @@ Choices and deviations:
   a model without it). pipeline_source: the pipeline folder / hub id the model came from; a full
   model is then saved as a complete pipeline folder (flow_pipeline_folder.py).
 - The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
-  "old" weights of DiffusionNFT / AWM: flow_weights.py. Sampling: flow_sampling.py; the schedule,
-  one step and the KL variance: flow_step_rules.py; forward noising: flow_noising.py.
+  "old" weights of DiffusionNFT / AWM: weights.py. Sampling: sampling.py; the schedule, one step
+  and the KL variance: rules.py; forward noising (velocity rules only): noising.py.
 """
 
 from __future__ import annotations
@@ -69,11 +79,14 @@ from grouprl.policies.flow.models import (
 )
 from grouprl.policies.flow.noising import forward_noising
 from grouprl.policies.flow.pipeline_folder import complete_pipeline
-from grouprl.policies.flow.sampling import sample_groups
-from grouprl.policies.flow.schedule import (
-    StepSelectionSettings,
+from grouprl.policies.flow.rules import (
+    DDIMRules,
+    FlowMatchRules,
+    StepRules,
+    image_seq_len,
 )
-from grouprl.policies.flow.step_rules import FlowStepRules
+from grouprl.policies.flow.sampling import sample_groups
+from grouprl.policies.flow.schedule import StepSelectionSettings
 from grouprl.policies.flow.steps import score_chain
 from grouprl.policies.flow.text_encoders import PromptEncoder
 from grouprl.policies.flow.types import FlowBatch, FlowCondition, check_choice
@@ -86,32 +99,30 @@ KLForm = Literal["flow_grpo", "exact"]
 __all__ = ["FlowBatch", "FlowCondition", "FlowPolicy", "PromptEncoder", "latent_shape_for"]
 
 
-class _Scorer:
+class ReferenceScorer:
+    """The policy's scoring under other (reference) weights: `.model` and no-grad `.log_probs`."""
+
     def __init__(self, policy: FlowPolicy, model: Any) -> None:
-        self._policy, self._model = policy, model
+        self.policy, self.model = policy, model
 
     @torch.no_grad()
     def log_probs(self, batch: FlowBatch, steps: list[int] | None = None, **ignored: Any):
-        return self._policy._score(self._model, batch, steps)
+        return self.policy.score_with(self.model, batch, steps)
 
 
-class FlowPolicy(FlowStepRules):
+class FlowPolicy:
     """Samples groups of denoising trajectories and scores their per-step log-probs (module doc)."""
-
-    sampler_names = ("flow_sde", "dance_sde", "cps", "ode")
 
     def __init__(
         self,
         model: torch.nn.Module,
         *,
         latent_shape: tuple[int, ...],
-        scheduler_config: dict | None = None,
+        rules: StepRules | None = None,
         vae: torch.nn.Module | None = None,
         family: str | None = None,
         prompt_encoder: PromptEncoder | None = None,
         lora: Any = None,
-        sampler: str = "flow_sde",
-        noise_level: float = 0.7,
         rollout_steps: int = 10,
         eval_steps: int = 40,
         guidance_scale: float = 1.0,
@@ -119,12 +130,15 @@ class FlowPolicy(FlowStepRules):
         train_cfg: TrainCFG = "same",
         steps: StepSelectionSettings | dict | None = None,
         initial_noise: Literal["independent", "shared"] = "independent",
-        kl_form: KLForm = "flow_grpo",
         pixel_range: Literal["zero_one", "minus_one_one"] = "zero_one",
-        sigma_spacing: Literal["scheduler", "linear"] | None = None,
         compute_dtype: torch.dtype | str | None = None,
         gradient_checkpointing: bool = False,
         pipeline_source: str | None = None,
+        scheduler_config: dict | None = None,
+        sampler: str | None = None,
+        noise_level: float | None = None,
+        kl_form: KLForm | None = None,
+        sigma_spacing: Literal["scheduler", "linear"] | None = None,
     ) -> None:
         self.family = family_of(model, family)
         # the dtype it was loaded in; read before the trainable weights become float32 below
@@ -132,10 +146,7 @@ class FlowPolicy(FlowStepRules):
             compute_dtype_of(model) if compute_dtype is None else as_dtype(compute_dtype)
         )
         self.pipeline_source = pipeline_source
-        if sampler not in self.sampler_names:
-            raise ValueError(f"sampler must be one of {list(self.sampler_names)}, got {sampler!r}")
         check_choice("train_cfg", train_cfg, ("same", "none"))
-        check_choice("kl_form", kl_form, ("flow_grpo", "exact"))
         check_choice("initial_noise", initial_noise, ("independent", "shared"))
         if len(latent_shape) != (4 if self.family.video else 3) and self.family.name != "module":
             raise ValueError(
@@ -152,21 +163,40 @@ class FlowPolicy(FlowStepRules):
         self.model, self.vae, self.prompt_encoder = model, vae, prompt_encoder
         self.decoder = decoder_of(vae)
         self.latent_shape = tuple(int(s) for s in latent_shape)
-        self.scheduler_config = dict(scheduler_config or {})
-        self.sampler, self.noise_level = sampler, float(noise_level)
+        if rules is None:
+            rules = default_rules(
+                self.family, model, self.latent_shape, scheduler_config=scheduler_config,
+                sampler=sampler, noise_level=noise_level, kl_form=kl_form,
+                sigma_spacing=sigma_spacing,
+            )  # fmt: skip
+        else:
+            given = {"scheduler_config": scheduler_config, "sampler": sampler,
+                     "noise_level": noise_level, "kl_form": kl_form,
+                     "sigma_spacing": sigma_spacing}  # fmt: skip
+            if any(v is not None for v in given.values()):
+                raise ValueError(
+                    f"{sorted(k for k, v in given.items() if v is not None)} build the default "
+                    "rules: with rules=... set them on the rules object"
+                )
+        if (self.family.name == "unet") != (rules.prediction == "epsilon"):
+            raise ValueError(
+                f"family {self.family.name!r} with {type(rules).__name__} "
+                f"(prediction {rules.prediction!r}): a UNet predicts epsilon and takes DDIMRules, "
+                "the flow families predict velocity and take FlowMatchRules"
+            )
+        self.rules = rules
         self.rollout_steps, self.eval_steps = rollout_steps, eval_steps
         self.guidance_scale, self.embedded_guidance = (
             float(guidance_scale),
             float(embedded_guidance),
         )
-        self.train_cfg, self.kl_form, self.pixel_range = train_cfg, kl_form, pixel_range
+        self.train_cfg, self.pixel_range = train_cfg, pixel_range
         self.steps = (
             steps
             if isinstance(steps, StepSelectionSettings)
             else StepSelectionSettings(**(steps or {}))
         )
         self.initial_noise = initial_noise
-        self.sigma_spacing = sigma_spacing or self.family.sigma_spacing
         if vae is not None:
             vae.requires_grad_(False).eval()
 
@@ -183,7 +213,9 @@ class FlowPolicy(FlowStepRules):
             )
         return self.prompt_encoder(prompts, device=self.device)
 
-    def _predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
+    def predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
+        """The denoiser `model` (this policy's, or its reference / old copy) at x [B, *latent],
+        slot k of the schedule columns cols [B, K+1], with guidance scales gscale [B]."""
         emb = torch.full_like(gscale, self.embedded_guidance)  # [B] FLUX guidance embedding
         with compute(self.compute_dtype, x.device):
             return predict(
@@ -195,7 +227,7 @@ class FlowPolicy(FlowStepRules):
     def sample(self, cond: FlowCondition | list[str], group_size: int, **options: Any) -> Rollout:
         """group_size trajectories per condition row (consecutive rows); rewards are left empty.
         Options (steps, mode, generator, group_ids, optimizer_step, guidance_scale, chunk_size,
-        store_means): flow_sampling.sample_groups."""
+        store_means): sampling.sample_groups."""
         return sample_groups(self, cond, group_size, **options)
 
     # ---- scoring ------------------------------------------------------------------------------
@@ -206,22 +238,28 @@ class FlowPolicy(FlowStepRules):
         """Differentiable logp [n, K] of the stored transitions (0 at untrained steps) and extras
         mean [n, K, *latent], std [n, K], kl_var [n, K]. steps: score only these step indices
         (the others stay 0) to bound activation memory."""
-        return self._score(self.model, batch, steps)
+        return self.score_with(self.model, batch, steps)
 
-    def _score(self, model: Any, batch: FlowBatch, steps: list[int] | None) -> PolicyOutput:
+    def score_with(self, model: Any, batch: FlowBatch, steps: list[int] | None) -> PolicyOutput:
+        """log_probs of the stored transitions under the denoiser `model` (module doc)."""
+        if batch.sampler != self.rules.sampler:
+            raise ValueError(
+                f"the batch was sampled with {batch.sampler!r}; this policy's rules step with "
+                f"{self.rules.sampler!r}"
+            )
         ones = torch.ones_like(batch.guidance_scale)  # [n]
         gscale = batch.guidance_scale if self.train_cfg == "same" else ones  # [n]
         logp, mean, std = score_chain(
-            partial(self._predict, model), self._step, batch, gscale, steps
+            partial(self.predict, model), self.rules.step, batch, gscale, steps
         )
-        extras = {"mean": mean, "std": std, "kl_var": self._kl_var(batch, std)}
+        extras = {"mean": mean, "std": std, "kl_var": self.rules.kl_var(batch, std)}
         return PolicyOutput(logp=logp, entropy=None, extras=extras)
 
     @contextlib.contextmanager
-    def reference(self) -> Iterator[_Scorer]:
+    def reference(self) -> Iterator[ReferenceScorer]:
         """Scores under the frozen reference: the adapter bypassed (LoRA) or a frozen copy."""
         with self.weights.reference_model() as model:
-            yield _Scorer(self, model)
+            yield ReferenceScorer(self, model)
 
     def kl(self, out: PolicyOutput, ref_out: PolicyOutput) -> Tensor:
         """Mean-space Gaussian KL [n, K] (0 at unscored steps), see kl_form."""
@@ -250,7 +288,12 @@ class FlowPolicy(FlowStepRules):
     def forward_noising(self, x0: Tensor, t: Tensor, noise: Tensor, cond: FlowCondition,
                         **options: Any) -> Tensor:  # fmt: skip
         """Velocity at x_t = (1 - t) x0 + t noise; options `which` ("current" | "old" | "ref") and
-        `guidance_scale`: flow_noising.forward_noising."""
+        `guidance_scale`: noising.forward_noising. Velocity rules only (DiffusionNFT / AWM)."""
+        if self.rules.prediction != "velocity":
+            raise ValueError(
+                "forward_noising (DiffusionNFT / AWM) needs a flow-matching policy; the DDIM UNet "
+                "policy predicts epsilon: use FlowPolicy with a flow transformer"
+            )
         return forward_noising(self, x0, t, noise, cond, **options)
 
     def update_old(self, decay: float) -> None:
@@ -289,16 +332,6 @@ class FlowPolicy(FlowStepRules):
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         self.weights.load_state_dict(state)
 
-    def _save_scheduler(self, directory: Path) -> set[str]:
-        """Write scheduler/ (the class the config names, with any shift override applied)."""
-        import diffusers
-
-        from grouprl.policies.flow.schedule import scheduler_class
-
-        cls = getattr(diffusers, scheduler_class(self.scheduler_config))  # Wan: UniPC
-        cls.from_config(self.scheduler_config).save_config(directory / "scheduler")
-        return {"scheduler"}
-
     def save_pretrained(self, directory: str | Path, *, merge_lora: bool = False) -> Path:
         """A diffusers layout: <folder>/ (transformer or unet: config + merged safetensors; under
         LoRA only with merge_lora), scheduler/, pytorch_lora_weights.safetensors under LoRA (what
@@ -308,7 +341,8 @@ class FlowPolicy(FlowStepRules):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.weights.save(directory, merge_lora)
-        written = self._save_scheduler(directory)
+        from_pipeline = self.pipeline_source is not None and self.lora is None
+        written = self.rules.save_scheduler(directory, from_pipeline)
         if self.pipeline_source is not None and (self.lora is None or merge_lora):
             # a full model: a whole pipeline folder that DiffusionPipeline.from_pretrained loads
             complete_pipeline(self.pipeline_source, directory, {self.family.folder, *written})
@@ -320,3 +354,25 @@ class FlowPolicy(FlowStepRules):
     def load_saved_weights(self, directory: str | Path) -> None:
         """Load what save_pretrained wrote: the LoRA file (LoRA) or the full model folder."""
         self.weights.load(Path(directory))
+
+
+def default_rules(
+    family: Any, model: Any, latent_shape: tuple[int, ...], *, scheduler_config: dict | None,
+    sampler: str | None, noise_level: float | None, kl_form: str | None,
+    sigma_spacing: str | None,
+) -> StepRules:  # fmt: skip
+    """The rules FlowPolicy builds when given none: DDIMRules for a UNet (sampler "ddim", eta 1,
+    DDPO's scheduler, the exact KL), FlowMatchRules otherwise (flow_sde 0.7, flow_grpo KL, the
+    family's sigma spacing)."""
+    if family.name == "unet":
+        if sampler not in (None, "ddim") or kl_form not in (None, "exact") or sigma_spacing:
+            raise ValueError(
+                f"the UNet samples with DDIM: sampler 'ddim', kl_form 'exact' and no sigma_spacing,"
+                f" got sampler={sampler!r}, kl_form={kl_form!r}, sigma_spacing={sigma_spacing!r}"
+            )
+        return DDIMRules(scheduler_config, 1.0 if noise_level is None else noise_level)
+    return FlowMatchRules(
+        scheduler_config, sampler or "flow_sde", 0.7 if noise_level is None else noise_level,
+        sigma_spacing=sigma_spacing or family.sigma_spacing, kl_form=kl_form or "flow_grpo",
+        image_seq_len=image_seq_len(family, model, latent_shape),
+    )  # fmt: skip

@@ -1,10 +1,10 @@
-"""Drawing a flow / diffusion policy's trajectories: FlowPolicy.sample (and UNetPolicy's, which
-inherits it) runs `sample_groups`, which builds the schedule columns, picks the stochastic and
-trained steps, draws the initial noise and runs the step loop (flow_steps.run_chain) through the
-policy's own `_schedule`, `_step` and `_predict` (the DDIM policy overrides the first two).
+"""Drawing a flow / diffusion policy's trajectories: FlowPolicy.sample runs `sample_groups`, which
+builds the schedule columns, picks the stochastic and trained steps, draws the initial noise and
+runs the step loop (steps.run_chain) through the policy's rules (`rules.set_timesteps`,
+`rules.step`: rules.py) and its denoiser call (`policy.predict`).
 
 Choices:
-- Step selection (flow_schedule.select_steps) draws from its own generator, seeded by one draw of
+- Step selection (schedule.select_steps) draws from its own generator, seeded by one draw of
   the caller's generator, so the noise stream does not depend on the selection mode.
 - mode "eval" and the "ode" sampler (DiffusionNFT / AWM rollouts) make every step deterministic
   and train none of them (mask all False).
@@ -13,7 +13,7 @@ Choices:
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -23,10 +23,13 @@ from grouprl.policies.flow.steps import run_chain
 from grouprl.policies.flow.types import FlowBatch, FlowCondition, check_choice
 from grouprl.types import Rollout
 
+if TYPE_CHECKING:
+    from grouprl.policies.flow.policy import FlowPolicy
+
 
 @torch.no_grad()
 def sample_groups(
-    policy: Any,
+    policy: FlowPolicy,
     cond: FlowCondition | list[str],
     group_size: int,
     *,
@@ -61,12 +64,13 @@ def sample_groups(
     gids = gids.repeat_interleave(group_size)  # [N]
     n = len(gids)
     k_steps = steps or (policy.rollout_steps if mode == "rollout" else policy.eval_steps)
-    sched = policy._schedule(k_steps)
+    rules = policy.rules
+    sched = rules.set_timesteps(k_steps)
     cols = {
         k: v.to(dev)[None].expand(n, -1).contiguous() for k, v in sched.items() if v is not None
     }
     seed = int(torch.randint(2**62, (1,), generator=generator, device=gen_device(generator)))
-    if mode == "rollout" and policy.sampler != "ode":
+    if mode == "rollout" and rules.sampler != "ode":
         sel = select_steps(policy.steps, k_steps, gids, generator=torch.Generator().manual_seed(seed),
                            optimizer_step=optimizer_step)  # fmt: skip
         train, stochastic = sel.train.to(dev), sel.stochastic.to(dev)  # [N, K] each
@@ -80,15 +84,14 @@ def sample_groups(
     )
     policy.model.eval()
     latents, logp, means = run_chain(
-        partial(policy._predict, policy.model), policy._step, x, cols, cond_n, gscale, stochastic,
-        train, sampler=policy.sampler, noise_level=policy.noise_level, generator=generator,
-        chunk=chunk_size or n, store_means=store_means,
+        partial(policy.predict, policy.model), rules.step, x, cols, cond_n, gscale, stochastic,
+        train, generator=generator, chunk=chunk_size or n, store_means=store_means,
     )  # fmt: skip
     batch = FlowBatch(
         latents=latents, sigmas=cols["sigmas"], timesteps=cols["timesteps"], cond=cond_n,
         guidance_scale=gscale, train_mask=train, stochastic=stochastic,
-        alphas=cols.get("alphas"), old_mean=means, sampler=policy.sampler,
-        noise_level=policy.noise_level,
+        alphas=cols.get("alphas"), old_mean=means, sampler=rules.sampler,
+        noise_level=rules.noise_level,
     )  # fmt: skip
     info = {} if prompts is None else {"prompt": [p for p in prompts for _ in range(group_size)]}
     return Rollout(group_ids=gids, rewards={}, actions=batch, old_logp=logp, mask=train.clone(),

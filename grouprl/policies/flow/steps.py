@@ -1,8 +1,7 @@
 """The two step loops of a flow / diffusion policy: draw trajectories, and re-score stored ones.
 
-Both go through the same `predict(model, x_k, cols, k, cond, guidance)` and
-`step(cols, k, x_k, pred, stochastic, sampler, noise_level, prev_sample, generator)` callables of the
-policy, with the same tensors in the same dtypes, so a stored transition re-scored on the same batch
+Both go through the same `predict(x_k, cols, k, cond, guidance)` (the policy's denoiser call) and
+`step(cols, k, x_k, pred, stochastic, *, noise_level, prev_sample, generator)` (its rules' step), with the same tensors in the same dtypes, so a stored transition re-scored on the same batch
 gives bit-identical log-probs (ratio exactly 1 on-policy). `cols` holds the per-row schedule
 columns [B, K+1] ("sigmas", "timesteps", and "alphas" for DDIM).
 """
@@ -50,8 +49,6 @@ def run_chain(
     stochastic: Tensor,
     train: Tensor,
     *,
-    sampler: str,
-    noise_level: float,
     generator: torch.Generator | None,
     chunk: int,
     store_means: bool,
@@ -70,8 +67,7 @@ def run_chain(
         x = latents[rows, 0]  # [B, *latent]
         for k in range(k_steps):
             pred = predict(x, sub_cols, k, sub_cond, gscale[rows])  # [B, *latent]
-            out = step(sub_cols, k, x, pred, stochastic[rows, k], sampler, noise_level, None,
-                       generator)  # fmt: skip
+            out = step(sub_cols, k, x, pred, stochastic[rows, k], generator=generator)
             x = out.prev_sample  # [B, *latent]
             latents[rows, k + 1] = x
             logp[rows, k] = torch.where(train[rows, k], out.log_prob, 0.0)  # [B]
@@ -105,8 +101,8 @@ def score_chain(
             continue
         x = batch.latents[:, k]  # [n, *latent]
         pred = predict(x, cols, k, batch.cond, gscale)  # [n, *latent]
-        out = step(cols, k, x, pred, batch.stochastic[:, k], batch.sampler, batch.noise_level,
-                   batch.latents[:, k + 1], None)  # fmt: skip
+        out = step(cols, k, x, pred, batch.stochastic[:, k], noise_level=batch.noise_level,
+                   prev_sample=batch.latents[:, k + 1])  # fmt: skip
         logps.append(torch.where(rows, out.log_prob, 0.0))  # [n]
         means.append(out.mean * bcast(rows, out.mean))  # [n, *latent]
         stds.append(torch.where(rows, out.std, 0.0))  # [n]

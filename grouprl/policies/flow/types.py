@@ -95,6 +95,8 @@ class FlowBatch:
     alphas:        Float[N, K+1] | None  DDIM only: alpha_bar at each slot
     old_mean:      Float[N, K, *latent] | None  the sampler means at rollout (GRPO-Guard needs them;
                    stored when sample(..., store_means=True))
+    ref_mean:      Float[N, K, *latent] | None  the reference's step means (the KL), filled once
+                   per rollout by rollouts/image_loss.prepare when a KL is on
     sampler / noise_level: the stochastic sampler and its parameter (noise_level, or eta) used
     """
 
@@ -107,6 +109,7 @@ class FlowBatch:
     stochastic: Tensor
     alphas: Tensor | None = None
     old_mean: Tensor | None = None
+    ref_mean: Tensor | None = None
     sampler: str = "flow_sde"
     noise_level: float = 0.7
 
@@ -136,6 +139,19 @@ class FlowBatch:
             if isinstance(getattr(self, f.name), Tensor | FlowCondition)
         }
         return replace(self, **moved)
+
+    def select(self, idx: Tensor) -> FlowBatch:
+        """Rows idx (Long[M]) of every batched tensor (and of the condition)."""
+        n = len(self)
+
+        def rows(v: Any) -> Any:
+            return v[idx] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n else v
+
+        cond = self.cond
+        neg = None if cond.negative is None else {k: rows(v) for k, v in cond.negative.items()}
+        picked = {f.name: rows(getattr(self, f.name)) for f in fields(self) if f.name != "cond"}
+        return replace(self, **picked, cond=FlowCondition({k: rows(v) for k, v in
+                                                           cond.embeds.items()}, neg))  # fmt: skip
 
     @classmethod
     def cat(cls, parts: list[FlowBatch]) -> FlowBatch:
