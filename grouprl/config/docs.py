@@ -263,7 +263,7 @@ def section_names(model: type[BaseModel] | None = None) -> list[str]:
     rows = options(model or config_model())
     top = [r.key for r in rows if "." not in r.key and "[]" not in r.key]
     nested = [r.key for r in rows if r.section and r.key not in top]
-    return top + nested
+    return list(dict.fromkeys(top + nested))  # variants may share a nested section's key
 
 
 def select(section: str | None, model: type[BaseModel] | None = None) -> list[Option]:
@@ -285,14 +285,22 @@ def select(section: str | None, model: type[BaseModel] | None = None) -> list[Op
 # ---- text for the terminal -----------------------------------------------------------------------
 
 
+def _kind(row: Option, sep: str = " | ", quote: str = "") -> str:
+    """A row's type in words: its choices where it has them ("a | b | null"), else its type."""
+    if not row.allowed:
+        return row.type
+    choices = sep.join(f"{quote}{a}{quote}" for a in row.allowed)
+    if row.section:  # a union of sections: its variants
+        return f"{row.type}: {choices}"
+    nullable = f"{sep}null" if "| null" in row.type else ""
+    if row.type.startswith("list["):
+        return f"list of ({choices}){nullable}"
+    return choices + nullable
+
+
 def _header(row: Option) -> str:
-    kind = " | ".join(row.allowed) if row.allowed and not row.section else row.type
-    if row.allowed and row.section:
-        kind += ": " + " | ".join(row.allowed)
-    if row.allowed and row.type.startswith("list["):
-        kind = f"list of ({' | '.join(row.allowed)})"
     when = f"  [{row.when}]" if row.when else ""
-    return f"{row.key}: {kind} = {row.default}{when}"
+    return f"{row.key}: {_kind(row)} = {row.default}{when}"
 
 
 def show_text(section: str | None = None, width: int = 100) -> str:
@@ -314,8 +322,8 @@ def help_listing() -> str:
     width = max(len(r.key) for r in rows) + 2
     lines = ["options (dotted.key=value overrides; `grouprl config show SECTION` describes each):"]
     for r in rows:
-        kind = " | ".join(r.allowed) if r.allowed else r.type
-        lines.append(f"  {r.key.ljust(width)}{kind} = {r.default}")
+        when = f"  [{r.when}]" if r.when else ""
+        lines.append(f"  {r.key.ljust(width)}{_kind(r)} = {r.default}{when}")
     return "\n".join(lines)
 
 
@@ -333,16 +341,7 @@ def _cell(text: str) -> str:
 
 
 def _md_type(row: Option) -> str:
-    if row.allowed:
-        choices = " / ".join(f"`{a}`" for a in row.allowed)
-        if row.section:
-            return _cell(row.type) + ": " + choices
-        return (
-            ("list of " if row.type.startswith("list[") else "")
-            + choices
-            + (" / null" if "null" in row.type else "")
-        )
-    return f"`{_cell(row.type)}`"
+    return _cell(_kind(row, " / ", "`")) if row.allowed else f"`{_cell(row.type)}`"
 
 
 def table(section: str, model: type[BaseModel] | None = None) -> str:
