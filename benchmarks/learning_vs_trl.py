@@ -9,7 +9,7 @@ mean then mean over sequences (TRL loss_type="grpo" = grouprl preset grpo), Adam
 decayed linearly to 0, gradient clipping at 1.0, float32; the reward is the task's exact-answer
 accuracy function on both sides. TRL (pinned, from .venv-bench) trains with GRPOTrainer; grouprl
 with its own loop (grouprl.train.train). Both are then evaluated by the same code: greedy decoding
-on the first `--eval` held-out problems, accuracy = exact answers (grouprl.rollouts.evaluation.evaluate).
+on the first `--eval` held-out problems, accuracy = exact answers (grouprl.workloads.text.evaluate).
 Runs alternate grouprl, TRL per seed, each in a fresh process.
 
     .venv/bin/python benchmarks/learning_vs_trl.py [--seeds 0,1,2 --steps 60 --threads 2]
@@ -67,7 +67,7 @@ def _task_and_reward():
 def _evaluate(model: Any, tokenizer: Any, n_eval: int) -> float:
     from grouprl.policies.text.causal_lm import CausalLMPolicy
     from grouprl.policies.text.engines.base import SamplingParams
-    from grouprl.rollouts.evaluation import evaluate
+    from grouprl.workloads.text import evaluate
 
     task, accuracy = _task_and_reward()
     policy = CausalLMPolicy(model, tokenizer)

@@ -55,15 +55,9 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from grouprl.config.loading import Config
-    from grouprl.rollouts.prepare import prepare
-    from grouprl.runtime.build import (
-        build_optimizer,
-        build_policy,
-        build_sampler,
-        sampling_params,
-        seed_everything,
-    )
+    from grouprl.runtime.build import build_optimizer, build_sampler, seed_everything
     from grouprl.train import rollout_step, update
+    from grouprl.workloads import build_policy, build_workload
 
     new_tokens = getattr(a, "max_new_tokens", MAX_NEW)  # hardware_limit.py passes none
     rollout = dict(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=new_tokens)
@@ -83,9 +77,9 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
     policy = build_policy(cfg, torch.device("cpu"))
     optimizer, scheduler = build_optimizer(cfg, policy)
     sampler = build_sampler(cfg, _task_prompts(a.seed))
-    params = sampling_params(cfg)
     reward_fns = {"digits": lambda completions, **_: C.digit_reward(completions)}
     weights = {"digits": 1.0}
+    workload = build_workload(cfg, policy=policy, reward_fns=reward_fns, weights=weights)
 
     timer = C.Timer()
     engine = policy.engine
@@ -96,9 +90,9 @@ def run_grouprl(a: argparse.Namespace) -> dict[str, Any]:
             return inner(*args, **kw)
 
     def one_step(step: int) -> Any:
-        r, _ = rollout_step(cfg, policy, sampler, reward_fns, weights, params, step)
-        prepare(cfg, policy, r, weights)
-        update(cfg, policy, optimizer, scheduler, r)
+        r, _ = rollout_step(cfg, workload, policy, sampler, reward_fns, weights, step)
+        workload.prepare(policy, r, weights)
+        update(cfg, workload, policy, optimizer, scheduler, r)
         return r
 
     engine.generate = timed_generate

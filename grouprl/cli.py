@@ -1,6 +1,7 @@
 """Command line (also `python -m grouprl`):
 
 grouprl train CONFIG.yaml [dotted.key=value ...]   train (`grouprl train --help` lists every key)
+grouprl eval CONFIG_OR_RUN [dotted.key=value ...]  held-out metrics of a config's model or a run
 grouprl config show [SECTION]                      every option: type, default, allowed, meaning
 grouprl list presets|rewards|tasks|workloads|envs  the registries' names, each with a summary
 grouprl bench NAME [ARGS ...]                      a benchmark of a source checkout
@@ -33,6 +34,43 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    """A config file: its model as configured; a run directory: the weights of its newest intact
+    checkpoint under the run's config. Prints the held-out metrics (or one JSON object)."""
+    import json
+    from pathlib import Path
+
+    from grouprl.api import run_evaluation
+    from grouprl.runtime.run_state import finished_run, load_weights
+    from grouprl.train import NOTHING_GIVEN, Given
+    from grouprl.workloads import build_policy
+
+    target = Path(args.target)
+    record: dict = {"config": str(target)}
+    if target.is_dir():
+        cfg, ckpt, notes = finished_run(target, args.overrides)
+        for note in notes:
+            print(f"grouprl: {note}", file=sys.stderr)
+
+        def trained(cfg, device):  # the run's policy with the checkpoint's weights
+            policy = build_policy(cfg, device)
+            load_weights(ckpt, policy)
+            return policy
+
+        given = Given(policy=trained)
+        record = {"run_dir": str(target), "checkpoint": str(ckpt)}
+    else:
+        cfg, given = load_config(target, args.overrides), NOTHING_GIVEN
+    metrics, _ = run_evaluation(cfg, given)
+    if args.json:
+        print(json.dumps({**record, "metrics": metrics}))
+    else:
+        print(f"evaluated: {record.get('checkpoint', target)}")
+        for key, value in metrics.items():
+            print(f"{key}: {value:.4f}")
+    return 0
+
+
 def _config_show(args: argparse.Namespace) -> int:
     from grouprl.config.docs import show_text
 
@@ -41,11 +79,16 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def summary_line(obj: object) -> str:
-    """The first sentence of `obj`'s docstring's first paragraph ("" without a docstring)."""
+    """The first sentence of `obj`'s docstring's first paragraph ("" without a docstring); the
+    module's when the docstring says "See the module docstring"."""
     doc = (getattr(obj, "__doc__", None) or "").strip()
     paragraph = " ".join(doc.split("\n\n")[0].split())
     # a sentence ends at ". " before a capital letter, not inside "e.g. X" / "i.e. X"
-    return re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+(?=[A-Z])", paragraph, maxsplit=1)[0]
+    first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+(?=[A-Z])", paragraph, maxsplit=1)[0]
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if first.startswith("See the module docstring") and module is not None:
+        return summary_line(module)  # a class that defers to its module's docstring
+    return first
 
 
 def registry_listing(kind: str) -> list[tuple[str, str]]:
@@ -142,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("config", help="path to the YAML config")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(func=_train)
+    e = sub.add_parser(
+        "eval",
+        help="evaluate on the held-out split: a config's model, or a run's latest checkpoint",
+    )
+    e.add_argument("target", metavar="CONFIG_OR_RUN", help="a YAML config or a run directory")
+    e.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. eval.pass_k=4")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=_eval)
     config = sub.add_parser("config", help="describe the config's options")
     config_sub = config.add_subparsers(dest="action", required=True)
     show = config_sub.add_parser(

@@ -12,44 +12,45 @@ from __future__ import annotations
 import faulthandler
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grouprl.config.loading import Config, config_json
+from grouprl.config.loading import (
+    Config,
+    config_json,
+)
 from grouprl.envs.rewards.health import DEFAULT_MAX_FAILED_STEPS, RewardHealth
-from grouprl.envs.tasks import build_task
-from grouprl.objectives import count_tokens, total_loss
+from grouprl.envs.tasks import TaskData, build_task
+from grouprl.objectives import count_tokens
+from grouprl.objectives.group_losses import GROUP_SURROGATES
 from grouprl.policies.dropout import disable_policy_dropout
 from grouprl.policies.precision import LossScaler, loss_scaler_for
-from grouprl.policies.text.engines.sync import push_weights, release_engine, step_mismatch
-from grouprl.rollouts import episodes, image_loss, images
+from grouprl.policies.text.engines.sync import push_weights, release_engine
+from grouprl.rollouts.batching import single_pass as is_single_pass
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
-from grouprl.rollouts.evaluation import accuracy_key, evaluate
 from grouprl.rollouts.filters import sample_until_full
-from grouprl.rollouts.images import is_images
-from grouprl.rollouts.prepare import prepare
 from grouprl.rollouts.prompt_guard import apply_prompt_guard
-from grouprl.rollouts.single_turn import collect
-from grouprl.runtime.async_rollout import prepare_config, rollout_source
-from grouprl.runtime.build import (
-    build_optimizer,
-    build_policy,
-    build_rewards,
-    build_sampler,
-    sampling_params,
-    seed_everything,
-)
-from grouprl.runtime.distributed.dist import SINGLE, Dist
-from grouprl.runtime.distributed.dist import setup as setup_dist
+from grouprl.runtime.async_rollout import rollout_source
+from grouprl.runtime.build import build_optimizer, build_sampler, seed_everything
+from grouprl.runtime.distributed import SINGLE, Dist
+from grouprl.runtime.distributed import setup as setup_dist
 from grouprl.runtime.logging import RunLogger
 from grouprl.runtime.plots import plot_curves
 from grouprl.runtime.reward_guard import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
-from grouprl.runtime.user_inputs import check_model_path, enable_crash_traces, user_code_on_path
+from grouprl.runtime.user_inputs import (
+    check_model_path,
+    enable_crash_traces,
+    user_code_on_path,
+)
 from grouprl.types import Rollout
+from grouprl.workloads import build_policy, build_rewards, refuse_unsupported, workload_of
+from grouprl.workloads.base import Parts, Workload
 
 
 class UserCodeExit(RuntimeError):
@@ -66,53 +67,35 @@ class NonFiniteLossError(RuntimeError):
 
 
 def rollout_step(
-    cfg,
-    policy,
-    sampler,
-    reward_fns,
-    weights,
-    params,
-    step,
+    cfg: Config,
+    workload: Workload,
+    policy: Any,
+    sampler: Any,
+    reward_fns: dict,
+    weights: dict[str, float],
+    step: int,
     dist: Dist = SINGLE,
     health: RewardHealth | None = None,
 ) -> tuple[Rollout | None, dict]:
     """Sample and score one batch of groups (with DAPO dynamic sampling when configured).
+    policy: the weights that sample (the trainer's, or the one_step_off worker's snapshot).
     Several processes: each samples a share of the groups, all get the whole scored batch.
     health: warns about / stops on a reward that fails on every sample (envs/rewards/health.py)."""
     r, a = cfg.rollout, cfg.algorithm
     errors_total: dict[str, int] = {}
     first_errors: dict[str, str] = {}
     scored = [0]  # samples the reward functions saw this step, over all sampling rounds
-    seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
 
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
-        if is_agent(cfg):  # multi-turn episodes: the environment gives the rewards
-
-            def episodes_of(part: list[dict], first: int) -> tuple[Rollout, dict]:
-                got = episodes.collect(
-                    cfg, policy, part, params, group_size=r.group_size, first_group_id=first
-                )
-                return got, {}  # no reward-function errors: the env gives the rewards
-
-            return dist.gather_groups(examples, first_id, episodes_of)[0]
-        if is_images(cfg):  # images / video: flow or DDIM policy, image rewards
-            rollout, errors = images.collect(
-                cfg, policy, examples, reward_fns, first_group_id=first_id,
-                optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
-                first_errors=first_errors,
-            )  # fmt: skip
-        else:
-            rollout, errors = dist.gather_groups(examples, first_id, lambda part, first: collect(
-                policy, part, r.group_size, params, reward_fns,
-                first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
-                first_errors=first_errors,
-            ))  # fmt: skip
-        scored[0] += len(rollout.group_ids)  # images and text alike
-        for k, v in errors.items():
+        got = workload.collect(policy, examples, first_group_id=first_id, step=step)
+        scored[0] += got.scored
+        for k, v in got.errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
-        return rollout
+        for k, v in got.first_errors.items():
+            first_errors.setdefault(k, v)
+        return got.rollout
 
     metrics: dict[str, float] = {}
     if a.dynamic_sampling == "zero_variance":
@@ -124,7 +107,7 @@ def rollout_step(
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v
-    if health is not None and not is_agent(cfg):
+    if health is not None:
         for name, fn in reward_fns.items():  # isolated rewards keep their first error text
             pop = getattr(fn, "pop_first_error", None)
             text = pop() if callable(pop) else None
@@ -136,9 +119,9 @@ def rollout_step(
             for name in reward_fns
         }
         health.observe(step, failures, scored[0], first_errors)
-    if rollout is not None and is_agent(cfg):
-        metrics.update(episodes.episode_metrics(rollout))
-        rollout = episodes.keep_informative(cfg, rollout)
+    if rollout is not None:
+        rollout, more = workload.postprocess(rollout)
+        metrics.update(more)
     return rollout, metrics
 
 
@@ -156,20 +139,9 @@ def _disable_dropout(cfg: Config, policy) -> None:
     disable_policy_dropout(policy)
 
 
-def is_agent(cfg: Config) -> bool:
-    return cfg.task.name == "env"
-
-
-def max_completion_len(cfg: Config) -> int:
-    """L_max of the constant normalisers: one completion, a whole multi-turn episode, or the
-    denoising steps of an image rollout."""
-    if is_images(cfg):
-        return cfg.diffusion.rollout_steps
-    return cfg.agent.max_total_tokens if is_agent(cfg) else cfg.rollout.max_new_tokens
-
-
 def update(
     cfg: Config,
+    workload: Workload,
     policy,
     optimizer,
     scheduler,
@@ -183,10 +155,9 @@ def update(
     the scale and is redone on the same minibatch (up to MAX_OVERFLOW_RETRIES times), without
     counting as a non-finite failure."""
     scaler = scaler if scaler is not None else LossScaler(False)
-    a, temp = cfg.algorithm, cfg.rollout.temperature
-    # one_step_off: old_logp was scored with the sampling weights, never the current ones
-    single_pass = a.epochs == 1 and a.minibatches == 1 and cfg.train.async_mode == "off"
-    need_entropy = a.entropy_coef != 0 or a.top_entropy_quantile < 1
+    a = cfg.algorithm
+    single_pass = is_single_pass(cfg)  # pi_old = the update's own detached forward
+    whole_groups = a.surrogate in GROUP_SURROGATES  # a group-level loss never splits a group
     shares: dict[str, float] = {}  # loss terms: summed over micro-batches of an update
     means: dict[str, float] = {}  # per-micro-batch statistics: averaged
     norms: list[float] = []
@@ -196,10 +167,10 @@ def update(
     policy.train()
     for _ in range(a.epochs):
         for mb, micro_batches in dist.split_batch(rollout, a.minibatches, cfg.train.micro_batch_size,
-                                        whole_groups=a.surrogate in _GROUP_SURROGATES):  # fmt: skip
+                                                  whole_groups=whole_groups):  # fmt: skip
             counts = count_tokens(
                 rollout.mask[mb],
-                max_len=max_completion_len(cfg),
+                max_len=workload.max_len(),
                 group_ids=rollout.group_ids[mb],
             )  # global counts of this optimizer update: tokens, sequences, groups
             # float16: an update whose gradients overflow at the current loss scale is redone on
@@ -212,28 +183,9 @@ def update(
                     dist.set_sync(k == len(micro_batches) - 1)  # processes sync grads on the last
                     # an empty idx: zero-weight padding (distributed)
                     sub = dist.select(rollout, idx)
-                    if is_images(cfg):  # flow / diffusion: rollouts/image_loss.py
-                        res, old = image_loss.micro_loss(cfg, policy, sub, counts, single_pass)
-                        if single_pass:
-                            rollout.old_logp[idx] = old
-                    else:
-                        out = policy.log_probs(
-                            sub.actions,
-                            temperature=temp,
-                            with_entropy=True,
-                            entropy_grad=need_entropy,
-                        )
-                        old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
-                        if single_pass:  # keep the trainer's score of the sampling weights (pi_old)
-                            rollout.old_logp[idx] = old
-                        if cfg.rollout.old_logp == "engine":
-                            old = sub.engine_logp
-                        res = total_loss(
-                            out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
-                            algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
-                            group_ids=sub.group_ids, token_scales=sub.token_scales,
-                            seq_weights=sub.seq_weights,
-                        )  # fmt: skip
+                    res, old = workload.micro_loss(sub, counts, single_pass=single_pass)
+                    if single_pass:  # keep the trainer's score of the sampling weights (pi_old)
+                        rollout.old_logp[idx] = old
                     if not torch.isfinite(res.loss) and dist.world == 1:
                         break  # the update is skipped below (processes: all agree first)
                     dist.backward(scaler.scale_loss(res.loss))
@@ -309,14 +261,31 @@ def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
-_GROUP_SURROGATES = {"tpo"}  # losses defined over whole groups: never split a group
 MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one minibatch (2^16 -> 1)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
 
 
-def train(cfg: Config) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Given:
+    """Parts of a run built by the caller (the Python API's Trainer, `grouprl eval`); the loop
+    builds every other part from the config. Builders rather than objects, so that each runs
+    where its config-made counterpart would (after the seeding, before the run directory is
+    touched).
+
+    task:   cfg -> the task (train / eval examples and the task's reward functions)
+    policy: (cfg, device) -> the policy
+    """
+
+    task: Callable[[Any], TaskData] | None = None
+    policy: Callable[[Any, torch.device], Any] | None = None
+
+
+NOTHING_GIVEN = Given()
+
+
+def train(cfg: Config, given: Given = NOTHING_GIVEN) -> dict[str, Any]:
     """Run the configured training; returns {"before": eval metrics, "after": ..., "run_dir": ...}.
 
     Setup order (the run directory is touched only once everything is built): read-only checks of
@@ -325,22 +294,22 @@ def train(cfg: Config) -> dict[str, Any]:
     (an old run deleted with run.overwrite, the configs written). User modules resolve from the
     working directory (user_inputs.user_code_on_path); SystemExit from user code becomes
     UserCodeExit; a crash of the interpreter (a segfaulting reward) prints every thread's Python
-    stack, naming the function that crashed (faulthandler)."""
+    stack, naming the function that crashed (faulthandler). given: parts built by the caller."""
     with ExitStack() as stack:
         stack.enter_context(user_code_on_path())
         if enable_crash_traces():
             stack.callback(faulthandler.disable)
         try:
-            return _train(cfg, stack)
+            return _train(cfg, stack, given)
         except SystemExit as exc:
             raise UserCodeExit(
-                f"the run stopped: {_exit_origin(exc)} raised SystemExit({exc.code!r}) (e.g. "
+                f"the run stopped: {exit_origin(exc)} raised SystemExit({exc.code!r}) (e.g. "
                 "sys.exit() or exit()) inside the training loop; user code must return or raise "
                 "an exception, never exit the trainer"
             ) from exc
 
 
-def _exit_origin(exc: BaseException) -> str:
+def exit_origin(exc: BaseException) -> str:
     """'function f (file.py, line 3)' for the innermost frame outside grouprl, torch and the
     standard library: the user code that raised."""
     import sysconfig
@@ -356,12 +325,14 @@ def _exit_origin(exc: BaseException) -> str:
     return f"function {f.name!r} ({f.filename}, line {f.lineno})"
 
 
-def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
+def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one a person should read
     run_dir = cfg.run_dir
     dist = setup_dist(cfg)  # accelerate launch: this process's place; else one process
+    kind = workload_of(cfg)
+    refuse_unsupported(kind, cfg, dist.world)  # what the workload cannot do: one clear error
     changes = check_run_dir(cfg)  # reads only: refuses mixing runs and unasked config changes
     check_model_path(cfg.model)  # a missing local folder: one clear error, not the hub's
     if cfg.run.num_threads:
@@ -369,28 +340,23 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     seed_everything(cfg.run.seed)
     device = dist.device_for(cfg.run.device)
 
-    task = build_task(cfg.task.name, **cfg.task.options)
+    task = given.task(cfg) if given.task else build_task(cfg.task.name, **cfg.task.options)
     reward_fns, weights = build_rewards(cfg, task)
     reward_fns = isolate_rewards(
         reward_fns, isolation_settings(cfg.rewards), fail_fast=cfg.run.fail_fast
     )  # rewards with a timeout_s run per sample in workers with a deadline
-    stack.callback(_close_all, reward_fns)  # isolated rewards: their workers and descendants end
+    stack.callback(close_rewards, reward_fns)  # isolated rewards: their workers and descendants end
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
-    policy = build_policy(cfg, device)
+    policy = given.policy(cfg, device) if given.policy else build_policy(cfg, device)
     if cfg.train.disable_dropout:
         _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
     scaler = loss_scaler_for(cfg.model.dtype)  # float16: dynamic loss scaling
     policy, optimizer = dist.prepare(policy, optimizer)  # DDP / FSDP2 / DeepSpeed wrapping
-    task.train, eval_examples = apply_prompt_guard(  # over-long prompts: filter / truncate / error
-        cfg,
-        policy,
-        task.train,
-        eval_examples,
-        single_turn_text=not (is_agent(cfg) or is_images(cfg)),
-    )
+    if kind.capabilities.prompt_guard:  # over-long prompts: filter / truncate / error
+        task.train, eval_examples = apply_prompt_guard(cfg, policy, task.train, eval_examples)
+    workload = kind(Parts(cfg, policy, reward_fns, weights, dist))
     sampler = build_sampler(cfg, task.train)
-    params = sampling_params(cfg)
     if dist.is_main:  # everything is built: only now is the run directory touched
         claim_run_dir(cfg, changes)
     dist.barrier()
@@ -418,16 +384,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
         if not eval_examples:
             return {}
         policy.eval()
-        if is_agent(cfg):
-            m, rows = episodes.evaluate(cfg, policy, eval_examples, params)
-        elif is_images(cfg):  # fixed prompts and seeds; the image grid goes to run_dir/images/
-            m, rows = images.evaluate(cfg, policy, eval_examples, reward_fns, weights, step=at_step)
-        else:
-            m, rows = evaluate(
-                policy, eval_examples, reward_fns, params,
-                batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
-            )  # fmt: skip
-            m.update(drain_reward_metrics(reward_fns))
+        m, rows = workload.evaluate(eval_examples, step=at_step)
         logger.log(at_step, {f"eval/{k}": v for k, v in m.items()}, split="eval")
         logger.log_samples(at_step, [{"step": at_step, **row} for row in rows])
         if dist.is_main:
@@ -437,8 +394,7 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
     limits = {r.name.rsplit(":", 1)[-1]: r.max_failed_steps for r in cfg.rewards}
     health = RewardHealth({k: limits.get(k, DEFAULT_MAX_FAILED_STEPS) for k in reward_fns})
     rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
-        cfg, pol, sampler, reward_fns, weights, params, at, dist, health), dist.world)  # fmt: skip
-    prepare_cfg = prepare_config(cfg)  # one_step_off: old_logp is the sampling weights' already
+        cfg, workload, pol, sampler, reward_fns, weights, at, dist, health), dist.world)  # fmt: skip
 
     with logger:
         if before is None:
@@ -448,17 +404,18 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
             release_engine(policy)  # GPU, rollout.vllm.sleep: vLLM frees memory for the update
             step, after = step + 1, None  # a step ran: the final evaluation is due (again)
             if rollout is not None:
-                metrics.update(prepare(prepare_cfg, dist.scorer(policy), rollout, weights))
+                metrics.update(workload.prepare(dist.scorer(policy), rollout, weights))
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
-                    sources = [ex[column] for ex in rollout.info["example"]]
+                    sources = [ex[column] for ex in rollout.examples]
                     sampler.update(sources, response_advantages(rollout.advantages, rollout.mask))
                     metrics.update(sampler.metrics())
-                metrics.update(update(cfg, policy, optimizer, scheduler, rollout, dist, scaler))
+                metrics.update(
+                    update(cfg, workload, policy, optimizer, scheduler, rollout, dist, scaler)
+                )
                 dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
-                if is_images(cfg):  # DiffusionNFT's old / AWM's EMA weights follow
-                    metrics.update(image_loss.after_update(cfg, policy, step))
-                metrics.update(step_mismatch(cfg, rollout))  # engine vs trainer log-probs
+                # engine-vs-trainer mismatch; DiffusionNFT's old / AWM's EMA weights follow
+                metrics.update(workload.after_update(step, rollout))
                 push_weights(policy)  # the engine samples the next step with the new weights
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
@@ -480,10 +437,10 @@ def _train(cfg: Config, stack: ExitStack) -> dict[str, Any]:
         if dist.is_main:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),
-            "accuracy_key": "success" if is_agent(cfg) else accuracy_key(reward_fns)}  # fmt: skip
+            "accuracy_key": workload.accuracy_key()}  # fmt: skip
 
 
-def _close_all(reward_fns: dict) -> None:
+def close_rewards(reward_fns: dict) -> None:
     """Stop the worker processes of isolated rewards (and everything they started)."""
     for fn in reward_fns.values():
         close = getattr(fn, "close", None)

@@ -87,7 +87,10 @@ class Rollout:
     token_scales: Float[N, T]|None  per-token loss scales (lambda-GRPO, EGSW), detached
     seq_weights:  Float[N]|None     per-sequence loss weights (Delta-L), detached
     step_ids / step_rewards / anchor_keys: multi-turn extras (agents)
-    info:         dict of per-sample lists (prompt text, completion text, answers ...)
+    examples:     list[dict]|None   the task example each sample was drawn for (the curriculum
+                                    reads its source column)
+    info:         dict of per-sample lists for logs only (prompt text, completion text ...): the
+                                    training loop never reads it
     """
 
     group_ids: Tensor
@@ -103,6 +106,7 @@ class Rollout:
     step_ids: Tensor | None = None
     step_rewards: Tensor | None = None
     anchor_keys: list | None = None
+    examples: list[dict] | None = None
     info: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -39,7 +39,7 @@ def test_agent_run_end_to_end(credit, tmp_path, tiny_model_dir):
 
 def test_env_task_refuses_reward_functions(tmp_path, tiny_model_dir):
     from grouprl.envs.tasks import build_task
-    from grouprl.runtime.build import build_rewards
+    from grouprl.workloads import build_rewards
 
     cfg = make_cfg(tmp_path, tiny_model_dir)
     cfg_with = validate(

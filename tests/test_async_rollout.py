@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.batching import recompute_old, single_pass
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.async_rollout import (
     OneStepOff,
     SyncRollouts,
     check_async,
-    prepare_config,
     rollout_source,
 )
 from grouprl.runtime.checkpoint import CheckpointManager
@@ -260,8 +260,13 @@ def test_unsupported_combinations_are_refused(tiny_model_dir, tmp_path):
 
 def test_prepare_never_recomputes_old_logp_under_one_step_off(tiny_model_dir, tmp_path):
     sync = _cfg(tmp_path, tiny_model_dir, "algorithm.epochs=2")
-    assert prepare_config(sync) is sync
+    assert recompute_old(sync) and not single_pass(sync)
     off = _cfg(tmp_path, tiny_model_dir, "algorithm.epochs=2", "train.async_mode=one_step_off")
-    assert prepare_config(off).rollout.old_logp == "engine"
+    assert not recompute_old(off) and not single_pass(off)  # the worker scored pi_old already
+    one = _cfg(tmp_path, tiny_model_dir, "train.async_mode=one_step_off")  # 1 epoch, 1 minibatch
+    assert not single_pass(one)  # sampled by the previous weights: never the update's own forward
+    assert single_pass(_cfg(tmp_path, tiny_model_dir)) and not recompute_old(
+        _cfg(tmp_path, tiny_model_dir)
+    )
     assert off.rollout.old_logp == "recompute"  # the run's own config is untouched
     assert isinstance(rollout_source(sync, None, None, lambda s, p: (None, {})), SyncRollouts)

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 import grouprl.train as train_mod
+import grouprl.workloads.tokens as tokens_mod
 from grouprl.cli import main
 from grouprl.config.loading import ConfigError
 from grouprl.types import LossOutput
@@ -158,13 +159,13 @@ def test_infinite_reward_is_reported(capsys, config_file, tmp_path):
 
 
 def test_non_finite_loss_is_reported(capsys, config_file, tmp_path, monkeypatch):
-    real = train_mod.total_loss
+    real = tokens_mod.total_loss
 
     def nan_loss(*args, **kwargs):
         res = real(*args, **kwargs)
         return LossOutput(loss=res.loss * math.nan, metrics=res.metrics)
 
-    monkeypatch.setattr(train_mod, "total_loss", nan_loss)
+    monkeypatch.setattr(tokens_mod, "total_loss", nan_loss)
     # each NaN update is skipped; max_nonfinite_steps in a row stop the run (here the first)
     status, _, err = run_cli(capsys, "train", config_file, "train.max_nonfinite_steps=1")
     assert_one_clear_error(status, err, "non-finite loss", "no non-finite value was saved")

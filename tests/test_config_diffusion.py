@@ -158,7 +158,9 @@ def test_per_sample_seeding_is_refused_for_image_rollouts(model_type):
         "model": {"name_or_path": "tiny", "type": model_type},
         "task": {"name": "image_prompts"},
     }
-    with pytest.raises(ConfigError, match="image and video rollouts draw their noise"):
+    with pytest.raises(
+        ConfigError, match="workload 'images' does not support rollout.seeding per_sample"
+    ):
         validate({**image, "rollout": {"seeding": "per_sample"}})
     validate({**image, "rollout": {"seeding": "global"}})
     validate({**raw(), "rollout": {"seeding": "per_sample"}})  # text: fine

@@ -193,7 +193,7 @@ def test_master_weights_and_optimizer_state_are_float32(trained, name):
 
 def _policy(cfg, ckpt: Path):
     """grouprl's trained policy: built from the run's config, weights from its checkpoint."""
-    from grouprl.runtime.build import build_policy
+    from grouprl.workloads import build_policy
 
     policy = build_policy(cfg, torch.device("cpu"))
     state = CheckpointManager.load(ckpt)
@@ -317,7 +317,7 @@ def test_rollout_sigmas_are_the_pipelines_own(replicas, rep, tmp_path):
     this check apart from the precision work."""
     import diffusers
 
-    from grouprl.runtime.build import build_policy
+    from grouprl.workloads import build_policy
 
     name, k = SCHEDULE_CASES[rep], 4
     over = overrides(name, replicas, tmp_path, model_path=str(replicas(rep)))

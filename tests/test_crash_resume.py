@@ -30,6 +30,7 @@ from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.runtime.checkpoint import CheckpointManager, checksum_problem
 from grouprl.runtime.logging import RunLogger
+from grouprl.workloads.text import TextWorkload
 
 # (name, owner, attribute, kill before or after the real call)
 KILL_POINTS = [
@@ -41,7 +42,7 @@ KILL_POINTS = [
     ("latest pointer", CheckpointManager, "_write_pointer", "before"),
     ("prune", CheckpointManager, "_prune", "before"),
     ("metrics line", RunLogger, "log", "after"),
-    ("evaluation", train_mod, "evaluate", "before"),
+    ("evaluation", TextWorkload, "evaluate", "before"),
 ]
 
 

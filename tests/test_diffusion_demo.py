@@ -18,7 +18,10 @@ from grouprl.demos.pretrain import (
     euler_sample,
     flow_matching_loss,
 )
-from grouprl.demos.shapes import (
+from grouprl.demos.velocity import ShapesVelocityNet
+from grouprl.envs.rewards import build_reward
+from grouprl.envs.rewards.shapes import color_area
+from grouprl.envs.shapes import (
     BACKGROUND,
     COLORS,
     class_names,
@@ -27,9 +30,6 @@ from grouprl.demos.shapes import (
     render,
     sample_batch,
 )
-from grouprl.demos.velocity import ShapesVelocityNet
-from grouprl.envs.rewards import build_reward
-from grouprl.envs.rewards.shapes import color_area
 from grouprl.envs.tasks import build_task
 from grouprl.rollouts.images import save_grid
 

@@ -19,9 +19,9 @@ from grouprl.config.loading import apply_overrides, validate
 from grouprl.demos.velocity import ShapesVelocityNet
 from grouprl.envs.tasks import build_task
 from grouprl.rollouts import images
-from grouprl.runtime.build import build_policy
 from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import train
+from grouprl.workloads import build_policy
 
 NET = {"channels": [8, 16], "emb_dim": 16, "groups": 4}
 

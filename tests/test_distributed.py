@@ -27,9 +27,10 @@ from safetensors.torch import load_file
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
-from grouprl.policies.text.engines.seeded import SeededChoice, group_seeds, sample_seed
+from grouprl.policies.text.engines.seeded import SeededChoice
 from grouprl.rollouts.batching import fill_micro_batches, split_batch
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.rollouts.seeds import group_seeds, sample_seed
 from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.runtime.distributed.dist import SINGLE, Dist, NullLogger
 from grouprl.train import train

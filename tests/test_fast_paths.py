@@ -245,7 +245,7 @@ def test_engine_contract_and_training_mode_restored():
 def test_policy_and_config_select_the_engine(tiny_model_dir):
     from grouprl.config.loading import Config
     from grouprl.policies.text.causal_lm import CausalLMPolicy
-    from grouprl.runtime.build import build_policy
+    from grouprl.workloads import build_policy
 
     cfg = Config.model_validate(
         {"model": {"name_or_path": str(tiny_model_dir)}, "task": {"name": "arithmetic"},
@@ -419,9 +419,10 @@ def test_unknown_path_is_an_error():
 def test_one_training_update_is_the_same_with_either_path(tiny_model_dir):
     """train.update with model.logprob_path fast vs plain: same loss, same gradients."""
     from grouprl.config.loading import Config
-    from grouprl.runtime.build import build_optimizer, build_policy
+    from grouprl.runtime.build import build_optimizer
     from grouprl.train import update
     from grouprl.types import Rollout
+    from grouprl.workloads import build_policy, build_workload
 
     tok = char_tokenizer()
     batch = _batch(tok, PROMPTS, 4, completions_len=7)
@@ -441,7 +442,9 @@ def test_one_training_update_is_the_same_with_either_path(tiny_model_dir):
             old_logp=torch.zeros(12, 7), mask=batch.completion_mask.clone(),
         )  # fmt: skip
         rollout.advantages = torch.linspace(-1, 1, 12)
-        metrics = update(cfg, policy, optimizer, scheduler, rollout)
+        metrics = update(
+            cfg, build_workload(cfg, policy=policy), policy, optimizer, scheduler, rollout
+        )
         # AdamW's first moment after one step is 0.1 x the (clipped) gradient; the weights
         # themselves move by ~lr * sign(g), which amplifies round-off where g ~ 0
         moments = [optimizer.state[p]["exp_avg"] for p in policy.trainable_parameters()]

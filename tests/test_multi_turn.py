@@ -402,7 +402,7 @@ def test_per_sample_seeds_make_episodes_independent_of_batching(tiny_model_dir):
 def test_turn_seeds_hand_checked():
     import hashlib
 
-    from grouprl.policies.text.engines.seeded import turn_seed
+    from grouprl.rollouts.seeds import turn_seed
 
     digest = hashlib.blake2b(b"7:1:2:3", digest_size=8).digest()
     assert turn_seed(7, 1, 2, 3) == int.from_bytes(digest, "little") & (2**63 - 1)
@@ -416,7 +416,7 @@ def test_turn_seeds_hand_checked():
 )
 def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want):
     from grouprl.config.loading import validate
-    from grouprl.rollouts import episodes
+    from grouprl.workloads import agent as episodes
 
     seen = {}
 

@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import grouprl.train as train_mod
+import grouprl.workloads.text as text_wl
+import grouprl.workloads.tokens as tokens_mod
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.envs.rewards import build_reward
 from grouprl.objectives import compute_advantages
@@ -23,6 +25,7 @@ from grouprl.runtime.checkpoint import CheckpointManager, NonFiniteCheckpointErr
 from grouprl.runtime.run_state import save_checkpoint
 from grouprl.train import NonFiniteLossError, train
 from grouprl.types import LossOutput
+from grouprl.workloads import build_workload
 
 PARITY = (
     "def parity(completions, **_):\n    return [float(sum(map(ord, c)) % 2) for c in completions]\n"
@@ -56,7 +59,7 @@ def train_rows(run_dir):
 def poison_loss(monkeypatch, bad_calls, kind="nan"):
     """total_loss returns NaN (kind "nan": the loss; "grad": a finite loss with NaN gradients) on
     the calls numbered in `bad_calls` (1-based; one call per micro-batch)."""
-    real, calls = train_mod.total_loss, []
+    real, calls = tokens_mod.total_loss, []
 
     def poisoned(policy_out, **kwargs):
         res = real(policy_out, **kwargs)
@@ -68,7 +71,7 @@ def poison_loss(monkeypatch, bad_calls, kind="nan"):
         poison = torch.sqrt(policy_out.logp.sum() * 0.0) * 0.0  # value 0, gradient NaN
         return LossOutput(loss=res.loss + poison, metrics=res.metrics)
 
-    monkeypatch.setattr(train_mod, "total_loss", poisoned)
+    monkeypatch.setattr(tokens_mod, "total_loss", poisoned)
 
 
 def saved_weights(ckpt):
@@ -110,7 +113,9 @@ def test_a_nonfinite_update_is_skipped_and_the_others_apply(
     optimizer, scheduler = build_optimizer(cfg, policy)
     before = [p.detach().clone() for p in policy.trainable_parameters()]
     poison_loss(monkeypatch, {1}, kind)
-    metrics = train_mod.update(cfg, policy, optimizer, scheduler, rollout)
+    metrics = train_mod.update(
+        cfg, build_workload(cfg, policy=policy), policy, optimizer, scheduler, rollout
+    )
     assert metrics["skipped_nonfinite"] == 1.0
     assert metrics[f"skipped_nonfinite/{'loss' if kind == 'nan' else 'grad'}"] == 1.0
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
@@ -131,7 +136,9 @@ def test_every_update_skipped_leaves_weights_and_optimizer_untouched(
     optimizer, scheduler = build_optimizer(cfg, policy)
     before = [p.detach().clone() for p in policy.trainable_parameters()]
     poison_loss(monkeypatch, {1}, "grad")
-    metrics = train_mod.update(cfg, policy, optimizer, scheduler, rollout)
+    metrics = train_mod.update(
+        cfg, build_workload(cfg, policy=policy), policy, optimizer, scheduler, rollout
+    )
     assert metrics["skipped_nonfinite"] == 1.0 and math.isnan(metrics["grad_norm"])
     assert "loss" not in metrics  # no applied micro-batch: no loss metrics
     assert all(torch.equal(p, b) for p, b in zip(policy.trainable_parameters(), before))
@@ -183,7 +190,7 @@ def test_a_nan_advantage_becomes_a_skipped_step(tiny_model_dir, tmp_path, monkey
     """An advantage of NaN (injected after prepare(), as a buggy estimator would give) makes the
     loss NaN: the step is skipped and the run goes on. (An inf *reward* is refused earlier, with
     a clear error, by the advantage code: see test_an_infinite_reward_is_a_clear_error.)"""
-    real_prepare, calls = train_mod.prepare, []
+    real_prepare, calls = text_wl.prepare, []
 
     def nan_advantage_on_step_2(cfg, policy, rollout, weights):
         metrics = real_prepare(cfg, policy, rollout, weights)
@@ -192,7 +199,7 @@ def test_a_nan_advantage_becomes_a_skipped_step(tiny_model_dir, tmp_path, monkey
             rollout.advantages[0] = math.nan
         return metrics
 
-    monkeypatch.setattr(train_mod, "prepare", nan_advantage_on_step_2)
+    monkeypatch.setattr(text_wl, "prepare", nan_advantage_on_step_2)
     train(make_cfg(tmp_path, tiny_model_dir, "train.steps=3", "eval.max_examples=1"))
     rows = train_rows(tmp_path / "run")
     assert [r["skipped_nonfinite"] for r in rows] == [0.0, 1.0, 0.0]
@@ -200,16 +207,18 @@ def test_a_nan_advantage_becomes_a_skipped_step(tiny_model_dir, tmp_path, monkey
 
 
 def test_an_infinite_reward_is_a_clear_error(tiny_model_dir, tmp_path, monkeypatch):
-    real_collect, calls = train_mod.collect, []
+    real_collect, calls = text_wl.collect, []
 
     def inf_reward_on_step_2(*args, **kwargs):
         rollout, errors = real_collect(*args, **kwargs)
+        if "first_group_id" not in kwargs:  # an evaluation's collect, not a training step's
+            return rollout, errors
         calls.append(1)
         if len(calls) == 2:
             rollout.rewards["accuracy"][0] = math.inf
         return rollout, errors
 
-    monkeypatch.setattr(train_mod, "collect", inf_reward_on_step_2)
+    monkeypatch.setattr(text_wl, "collect", inf_reward_on_step_2)
     with pytest.raises(ValueError, match="'accuracy' contains \\+-inf"):
         train(make_cfg(tmp_path, tiny_model_dir, "train.steps=3", "eval.max_examples=1"))
     assert [c.name for c in CheckpointManager(tmp_path / "run").complete()] == ["step-00000001"]

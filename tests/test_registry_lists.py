@@ -51,6 +51,7 @@ def test_list_workloads_follows_the_registry(capsys, monkeypatch):
     monkeypatch.setitem(base.WORKLOADS, "toy", ToyWorkload)
     listed = _listed(capsys, "workloads")
     assert list(listed) == list(base.WORKLOADS)
+    assert all(listed.values()) and not any(v.startswith("See the") for v in listed.values())
     assert listed["toy"] == "A toy workload for this test."
     ToyWorkload.summary = "From the summary field."
     assert _listed(capsys, "workloads")["toy"] == "From the summary field."
@@ -80,19 +81,34 @@ def test_summary_line_is_the_first_sentence_of_the_first_paragraph():
     assert summary_line(f) == "First sentence, e.g. this one."
     assert summary_line(lambda: None) == ""
 
+    class Deferring:
+        """See the module docstring. Details."""
+
+    assert summary_line(Deferring) == summary_line(sys.modules[__name__])
+    assert summary_line(Deferring).startswith("`grouprl list presets|rewards|tasks|workloads|envs`")
+
 
 def test_importing_grouprl_envs_registers_the_gymnasium_ids():
-    """A fresh interpreter: `import grouprl.envs` alone makes the ids usable (no policies loaded)."""
+    """A fresh interpreter: `import grouprl.envs` alone makes the ids usable, and loads no policy.
+    grouprl's own __init__ (the Python API, which imports everything) is bypassed, so that what is
+    measured is grouprl.envs' own imports."""
     code = (
-        "import sys, grouprl.envs, gymnasium\n"
+        "import sys, types\n"
+        "root = types.ModuleType('grouprl'); root.__path__ = [sys.argv[1]]\n"
+        "sys.modules['grouprl'] = root  # the package without its __init__\n"
+        "import gymnasium\n"
+        "assert 'grouprl/FrozenLake-v0' not in gymnasium.registry\n"
+        "import grouprl.envs\n"
         "env = gymnasium.make('grouprl/FrozenLake-v0')\n"
         "obs, info = env.reset(seed=0)\n"
         "assert isinstance(obs, str) and obs, obs\n"
-        "assert not [m for m in sys.modules if m.startswith('grouprl.policies')]\n"
+        "assert 'grouprl/Sokoban-v0' in gymnasium.registry\n"
+        "loaded = [m for m in sys.modules if m.startswith(('grouprl.policies', 'grouprl.train'))]\n"
+        "assert not loaded, loaded\n"
         "print('ok')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "grouprl")], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

@@ -322,7 +322,7 @@ def test_episodes_with_failing_envs_end_with_a_recorded_error():
 
 
 def test_episode_metrics_count_env_errors(monkeypatch):
-    from grouprl.rollouts import episodes
+    from grouprl.workloads import agent as episodes
 
     tok = char_tokenizer()
     policy = CausalLMPolicy(tiny_qwen2(tok), tok, engine=OneReplyEngine(tok))

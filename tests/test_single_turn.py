@@ -66,7 +66,7 @@ def test_collect_shapes_group_ids_and_rewards(policy):
     assert call["completion_lengths"] == b.lengths.tolist()
     assert call["truncated"] == b.truncated.tolist()
     assert call["max_new_tokens"] == PARAMS.max_new_tokens
-    assert rollout.info["example"] == [ex for ex in EXAMPLES for _ in range(4)]
+    assert rollout.examples == [ex for ex in EXAMPLES for _ in range(4)]
     assert rollout.info["prompt"] == call["prompts"]
 
 

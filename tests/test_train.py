@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 import grouprl.train as train_mod
+import grouprl.workloads.tokens as tokens_mod
 from grouprl.config.loading import apply_overrides, load_config, validate
 from grouprl.objectives import compute_advantages
 from grouprl.policies.text.causal_lm import CausalLMPolicy
@@ -21,6 +22,7 @@ from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import NonFiniteLossError, train
 from grouprl.types import LossOutput
+from grouprl.workloads import build_workload
 
 REWARDS_PY = '''
 def parity(completions, **_):
@@ -256,7 +258,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(
         before = [p.detach().clone() for p in policy.trainable_parameters()]
         opt = torch.optim.SGD(policy.trainable_parameters(), lr=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
-        train_mod.update(cfg, policy, opt, sched, rollout)
+        train_mod.update(cfg, build_workload(cfg, policy=policy), policy, opt, sched, rollout)
         deltas.append([p.detach() - b for p, b in zip(policy.trainable_parameters(), before)])
     assert any(d.abs().max() > 0 for d in deltas[0])
     for full, acc in zip(*deltas):
@@ -414,7 +416,7 @@ def test_nan_loss_stops_without_touching_weights_or_checkpoints(
     tmp_path, tiny_model_dir, reward_file, monkeypatch
 ):
     holder, snapshot, calls = _capture_policy(monkeypatch), {}, []
-    real_total_loss = train_mod.total_loss
+    real_total_loss = tokens_mod.total_loss
 
     def nan_on_step_2(*args, **kwargs):
         res = real_total_loss(*args, **kwargs)
@@ -424,7 +426,7 @@ def test_nan_loss_stops_without_touching_weights_or_checkpoints(
             return LossOutput(loss=res.loss * math.nan, metrics=res.metrics)
         return res
 
-    monkeypatch.setattr(train_mod, "total_loss", nan_on_step_2)
+    monkeypatch.setattr(tokens_mod, "total_loss", nan_on_step_2)
     cfg = make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1", "train.steps=3",
                    "train.max_nonfinite_steps=1")  # fmt: skip
     with pytest.raises(NonFiniteLossError, match="non-finite loss"):
@@ -444,7 +446,7 @@ def test_nan_gradient_stops_without_touching_weights(
     tmp_path, tiny_model_dir, reward_file, monkeypatch
 ):
     holder, snapshot = _capture_policy(monkeypatch), {}
-    real_total_loss = train_mod.total_loss
+    real_total_loss = tokens_mod.total_loss
 
     def nan_gradient(policy_out, **kwargs):
         res = real_total_loss(policy_out, **kwargs)
@@ -453,7 +455,7 @@ def test_nan_gradient_stops_without_touching_weights(
         poison = torch.sqrt(policy_out.logp.sum() * 0.0) * 0.0
         return LossOutput(loss=res.loss + poison, metrics=res.metrics)
 
-    monkeypatch.setattr(train_mod, "total_loss", nan_gradient)
+    monkeypatch.setattr(tokens_mod, "total_loss", nan_gradient)
     with pytest.raises(NonFiniteLossError, match="non-finite gradient"):
         train(make_cfg(tmp_path, tiny_model_dir, reward_file, "checkpoint.every=1",
                        "train.max_nonfinite_steps=1"))  # fmt: skip

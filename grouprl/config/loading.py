@@ -177,11 +177,9 @@ def check_combinations(cfg: Config) -> None:
             "reward_aggregation='normalize_then_sum' (GDPO) defines the whole advantage; it needs "
             f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
         )
-    if r.seeding == "per_sample" and cfg.model.type in ("flow", "unet"):
-        raise ValueError(
-            "rollout.seeding='per_sample' is implemented for text rollouts (single- and "
-            "multi-turn); image and video rollouts draw their noise from torch's global RNG"
-        )
+    from grouprl.workloads import refuse_unsupported, workload_of  # imports the modalities
+
+    refuse_unsupported(workload_of(cfg), cfg)  # options the workload cannot honour (one process)
     if a.advantage == "dr_grpo" and a.scale != "none":
         warnings.warn(
             "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
@@ -342,6 +340,12 @@ def validate(raw: dict) -> Config:
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or start empty with path None) and apply dotted overrides."""
+    return validate(read_config(path, overrides))
+
+
+def read_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The mapping a YAML config (or {} for path None) plus dotted overrides hold, not validated
+    (the Python API completes it with the parts it was given as objects)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -354,7 +358,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         raw = _load_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return validate(apply_overrides(raw, list(overrides)))
+    return apply_overrides(raw, list(overrides))
 
 
 def save_resolved(cfg: Config, path: Path, header: str = "") -> None:

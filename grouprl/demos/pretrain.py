@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from grouprl.demos.shapes import (
+from grouprl.demos.velocity import ShapesVelocityNet
+from grouprl.envs.shapes import (
     COLORS,
     DATA_VERSION,
     SHAPES,
@@ -37,7 +38,6 @@ from grouprl.demos.shapes import (
     colour_coverage,
     sample_batch,
 )
-from grouprl.demos.velocity import ShapesVelocityNet
 
 
 @dataclasses.dataclass(frozen=True)

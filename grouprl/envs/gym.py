@@ -226,15 +226,24 @@ class PlainTextEnv(gymnasium.Env):
         return out
 
 
-def make_text_env(env_id: str, **kwargs: Any) -> gymnasium.Env:
-    """Build a text env from a registered id ("grouprl/FrozenLake-v0", ...) or "module:Class".
+def make_text_env(env_id: str | Callable[..., Any], **kwargs: Any) -> gymnasium.Env:
+    """Build a text env from a registered id ("grouprl/FrozenLake-v0", ...), "module:Class", or
+    an env factory passed from Python (a callable, e.g. a class or a function; the Python API's
+    `env=`).
 
-    "module:Class": the class is instantiated with **kwargs; a class that is not a gymnasium.Env
-    (a plain object with reset/step) is wrapped in `PlainTextEnv`. Anything else goes to
+    "module:Class" and a factory: called with **kwargs; a result that is not a gymnasium.Env
+    (a plain object with reset/step) is wrapped in `PlainTextEnv`. Any other string goes to
     `gymnasium.make(env_id, **kwargs)`. The result must have a Text observation space and a
     `system_prompt`; anything else is an error naming the fix.
     """
     register_envs()
+    if callable(env_id):
+        return _checked(_made_by(env_id, kwargs), env_name(env_id))
+    if not isinstance(env_id, str):
+        raise TypeError(
+            f"an env is a registered id, 'module:Class' or a callable returning a text env, got "
+            f"{type(env_id).__name__}: {str(env_id)[:80]!r}"
+        )
     module_name, _, attr = env_id.partition(":")
     target = None
     if attr and attr.isidentifier():
@@ -242,14 +251,30 @@ def make_text_env(env_id: str, **kwargs: Any) -> gymnasium.Env:
         if target is None and attr not in gymnasium.registry:
             raise ValueError(f"{env_id}: module {module_name!r} has no {attr!r} and no such env id")
     if target is not None:
-        env = target(**kwargs)
-        if not isinstance(env, gymnasium.Env):
-            env = PlainTextEnv(env)
+        env = _made_by(target, kwargs)
     else:
         env = gymnasium.make(env_id, disable_env_checker=True, **kwargs)
+    return _checked(env, env_id)
+
+
+def env_name(env_id: str | Callable[..., Any]) -> str:
+    """How messages and records name an env: the id, or a factory's qualified name."""
+    if isinstance(env_id, str):
+        return env_id
+    name = getattr(env_id, "__qualname__", None) or type(env_id).__name__
+    return f"{getattr(env_id, '__module__', None) or '?'}.{name}"
+
+
+def _made_by(factory: Callable[..., Any], kwargs: dict[str, Any]) -> gymnasium.Env:
+    env = factory(**kwargs)
+    return env if isinstance(env, gymnasium.Env) else PlainTextEnv(env)
+
+
+def _checked(env: gymnasium.Env, name: str) -> gymnasium.Env:
+    """`env` if it is a text env (Text observations, a system_prompt), else an error naming it."""
     if not isinstance(env.observation_space, spaces.Text):
         raise TypeError(
-            f"{env_id} is not a text env (observation_space={env.observation_space}); wrap it with "
+            f"{name} is not a text env (observation_space={env.observation_space}); wrap it with "
             "grouprl.envs.gym.TextEnvWrapper(env, render_obs, action_names, system_prompt=...)"
         )
     system_prompt_of(env)

@@ -1,7 +1,9 @@
-"""The Policy protocol every modality implements (text now; flow models and agents next).
+"""The Policy protocol every modality implements (causal LMs, flow / DDPM denoisers, ...).
 
-train.py talks to a policy only through these methods, so a new modality adds a policy (and a
-sampler), never a loss or a branch in the loop.
+The loop, the runtime (optimizer, checkpoints, processes) and the objectives talk to a policy only
+through these methods and attributes; how it samples is its workload's business
+(grouprl/workloads/), so a new modality adds a policy and a workload, never a loss or a branch in
+the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class ReferenceScorer(Protocol):
 
 
 class Policy(Protocol):
+    lora: Any  # the LoRA settings when only adapters train, else None (full fine-tuning)
+
     def sample(self, requests: list, group_size: int, params: Any, **kwargs: Any) -> Rollout:
         """group_size samples per request (consecutive rows); rewards are filled by rollouts/."""
         ...
@@ -48,4 +52,8 @@ class Policy(Protocol):
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Weights in a layout the modality's ecosystem loads (transformers / diffusers)."""
+        ...
+
+    def load_saved_weights(self, directory: str | Path) -> None:
+        """Inverse of save_pretrained for the trained weights (a resumed full fine-tune)."""
         ...

@@ -42,6 +42,7 @@ from grouprl.objectives.flow.support import (
 )
 from grouprl.objectives.group_stats import batch_std
 from grouprl.policies.flow.gaussian import ratio_diagnostics
+from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout
@@ -69,11 +70,10 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
     """Fill advantages (and old / reference scores) on the rollout; return reward metrics."""
     a, d = cfg.algorithm, cfg.diffusion
     batch, chunk = rollout.actions, cfg.train.micro_batch_size
-    single_pass = a.epochs == 1 and a.minibatches == 1
     metrics: dict[str, float] = {}
     if not likelihood_free(cfg):
         current = None
-        if cfg.rollout.old_logp == "recompute" and not single_pass:
+        if recompute_old(cfg):
             current = _score(policy, batch, chunk)
             rollout.old_logp = current.logp  # [N, K]
             if batch.old_mean is not None:

@@ -153,7 +153,7 @@ def collect(
                                            fail_fast=cfg.run.fail_fast,
                                            first_errors=first_errors)  # fmt: skip
     rollout.info["prompt"] = [ex.get("prompt", "") for ex in repeated]
-    rollout.info["example"] = repeated
+    rollout.examples = repeated
     return rollout, errors
 
 

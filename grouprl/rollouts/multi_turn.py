@@ -52,7 +52,6 @@ from grouprl.envs.tools.schemas import (
 )
 from grouprl.envs.vector import VectorRunner
 from grouprl.policies.text.engines.base import SamplingParams
-from grouprl.policies.text.engines.seeded import turn_seed
 from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     _delta_pieces,
     _render,
@@ -63,6 +62,7 @@ from grouprl.rollouts.chat_delta import (  # noqa: F401  (all re-exported)
     prompt_ids,
 )
 from grouprl.rollouts.episode_record import Episode, assemble
+from grouprl.rollouts.seeds import turn_seed
 from grouprl.types import Rollout
 
 

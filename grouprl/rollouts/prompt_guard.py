@@ -103,18 +103,13 @@ def guard_prompts(
     return kept, len(over)
 
 
-def apply_prompt_guard(cfg: Any, policy: Any, train: list[dict], evaluation: list[dict],
-                       single_turn_text: bool) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """The guard as train.py runs it: returns (train, eval) examples; in truncate mode the
-    policy's `prompt_token_limit` is set so that its encode_prompts truncates from the left."""
+def apply_prompt_guard(
+    cfg: Any, policy: Any, train: list[dict], evaluation: list[dict]
+) -> tuple[list[dict], list[dict]]:
+    """The guard as train.py runs it for single-turn text (workloads with the prompt_guard
+    capability): returns (train, eval) examples; in truncate mode the policy's
+    `prompt_token_limit` is set so that its encode_prompts truncates from the left."""
     r = cfg.rollout
-    if not single_turn_text:
-        if r.max_prompt_tokens is not None:
-            raise ValueError(
-                "rollout.max_prompt_tokens applies to single-turn text tasks; agents are bounded "
-                "by agent.max_total_tokens and image prompts by their text encoder"
-            )
-        return train, evaluation
     limit, why = prompt_limit(cfg, policy)
     train, _ = guard_prompts(train, policy.encode_prompts, limit, r.prompt_overflow, "train", why)
     evaluation, _ = guard_prompts(

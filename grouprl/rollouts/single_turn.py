@@ -58,5 +58,5 @@ def collect(
         fail_fast=fail_fast,
         first_errors=first_errors,
     )
-    rollout.info["example"] = repeated
+    rollout.examples = repeated
     return rollout, errors

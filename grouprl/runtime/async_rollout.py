@@ -19,8 +19,9 @@ worker scores every batch it sampled with the snapshot (rollout.old_logp "recomp
 theta_k under the trainer's numerics; "engine": the engine's own log-probs are used instead), so the
 clipped ratio corrects the one step of staleness, and algorithm.engine_correction still corrects
 engine-vs-trainer numerics (old_logp vs engine_logp) on top. So prepare() must not recompute
-old_logp with the current weights (`prepare_config`), and update() must not take its single-pass
-shortcut (old = the current weights' detached log-probs): train.update checks async_mode.
+old_logp with the current weights, and update() must not take its single-pass shortcut (old = the
+current weights' detached log-probs): both read rollouts/batching.py (`recompute_old`,
+`single_pass`), which check async_mode.
 
 The worker (train.async_worker) is a thread of the trainer's process, or a forked process
 (async_worker.py: CPU only; for machines where two threads of one process do not compute in
@@ -35,8 +36,9 @@ draw from the global RNG in an order that varies.
 
 Memory: one extra copy of the model. Refused, with a message: several processes (the worker's
 gathers would interleave with the trainer's collectives), rollout.engine vllm (its weights are
-pushed and it evaluates from the main thread), agents and image tasks, the DUMP curriculum (the
-trainer updates its sampler while the worker draws from it).
+pushed and it evaluates from the main thread), the DUMP curriculum (the trainer updates its
+sampler while the worker draws from it); workloads without the async_rollouts capability (agents,
+images) are refused by workloads/base.py.
 """
 
 from __future__ import annotations
@@ -62,8 +64,6 @@ def check_async(cfg: Any, world: int) -> None:
     refusals = {
         "several processes (accelerate launch)": world > 1,
         "rollout.engine 'vllm'": cfg.rollout.engine == "vllm",
-        "task 'env' (agents)": cfg.task.name == "env",
-        "image / video policies": cfg.model.type != "causal_lm",
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
     }
     if getattr(cfg.train, "async_worker", "thread") == "process":
@@ -77,14 +77,6 @@ def check_async(cfg: Any, world: int) -> None:
             f"train.async_mode={cfg.train.async_mode!r} does not support {', '.join(bad)}; "
             "use train.async_mode=off for this run"
         )
-
-
-def prepare_config(cfg: Any) -> Any:
-    """The config prepare() reads: under one_step_off old_logp is already the sampling weights'
-    score, so prepare() is told it comes from the engine (its only use of rollout.old_logp)."""
-    if cfg.train.async_mode == "off" or cfg.rollout.old_logp == "engine":
-        return cfg
-    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"old_logp": "engine"})})
 
 
 class SyncRollouts:

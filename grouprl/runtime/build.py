@@ -1,4 +1,5 @@
-"""Builders: config sections -> the objects the training loop uses (policy, rewards, sampler ...)."""
+"""Builders of the modality-blind parts: config sections -> rewards, prompt sampler, optimizer and
+lr schedule, sampling parameters, seeds, device (each workload builds its own policy)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,13 @@ import torch
 
 from grouprl.config.loading import Config
 from grouprl.envs.rewards import build_reward, overlong_reward
-from grouprl.policies.text.causal_lm import CausalLMPolicy
-from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.curriculum import DumpSampler
 from grouprl.rollouts.prompt_sampler import PromptSampler
 
 
-def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
-    """Reward functions and weights: the config's list, else the task's defaults (+ DAPO overlong)."""
-    if cfg.task.name == "env":  # multi-turn: the environment's episode return is the reward
-        if cfg.rewards:
-            raise ValueError("task 'env' takes its rewards from the environment; remove `rewards`")
-        return {}, {"return": 1.0}
+def build_rewards(cfg: Config, task, *, required: bool) -> tuple[dict, dict[str, float]]:
+    """Reward functions and weights: the config's list, else the task's defaults (+ DAPO overlong).
+    required: a task without rewards of its own needs `rewards` in the config (text tasks)."""
     if cfg.rewards:
         fns, weights = {}, {}
         for r in cfg.rewards:
@@ -37,7 +33,7 @@ def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
     else:
         fns = dict(task.reward_fns)
         weights = {k: task.default_reward_weights.get(k, 1.0) for k in fns}
-        if not fns and cfg.model.type == "causal_lm":  # e.g. task 'prompts': no reward of its own
+        if not fns and required:  # e.g. task 'prompts': no reward of its own
             raise ValueError(
                 f"task {cfg.task.name!r} has no reward of its own: list `rewards` in the config "
                 "(e.g. a user function 'path/to/file.py:function' or a reward model wrapper)"
@@ -49,56 +45,6 @@ def build_rewards(cfg: Config, task) -> tuple[dict, dict[str, float]]:
         )
         weights["overlong"] = 1.0
     return fns, weights
-
-
-def build_policy(cfg: Config, device: torch.device) -> Any:
-    """The policy of model.type (POLICIES: causal_lm -> CausalLMPolicy, flow / unet -> the image
-    and video policies of grouprl/policies/flow/build.py)."""
-    return POLICIES[cfg.model.type](cfg, device)
-
-
-def _causal_lm_policy(cfg: Config, device: torch.device) -> CausalLMPolicy:
-    m = cfg.model
-    policy = CausalLMPolicy.from_pretrained(
-        m.name_or_path,
-        dtype=m.dtype,
-        trust_remote_code=m.trust_remote_code,
-        lora=m.lora.model_dump() if m.lora else None,
-        gradient_checkpointing=m.gradient_checkpointing,
-        logprob_chunk_size=m.logprob_chunk_size,
-        logprob_path=m.logprob_path,
-        # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
-        need_reference=cfg.algorithm.kl_coef > 0,
-        engine=TEXT_ENGINES[cfg.rollout.engine](cfg, device),
-    )
-    return policy.to(device)
-
-
-def _vllm_engine(cfg: Config, device: torch.device):
-    from grouprl.policies.text.engines.vllm_setup import engine_from_config  # imports vllm: lazily
-
-    return engine_from_config(cfg, device)
-
-
-# rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model, a
-# string: that CausalLMPolicy.LOCAL_ENGINES engine over its own model
-TEXT_ENGINES = {
-    "hf": lambda cfg, device: None,
-    "fast": lambda cfg, device: "fast",
-    "vllm": _vllm_engine,
-}
-
-
-def _flow_policy(cfg: Config, device: torch.device):
-    from grouprl.policies.flow.build import (
-        build_flow_policy,  # diffusers: imported for image runs only
-    )
-
-    return build_flow_policy(cfg, device)
-
-
-# model.type -> policy builder
-POLICIES = {"causal_lm": _causal_lm_policy, "flow": _flow_policy, "unet": _flow_policy}
 
 
 def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:
@@ -142,17 +88,6 @@ LR_SCHEDULES = {
     "linear": lambda p: 1.0 - p,
     "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
 }
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        stop=list(r.stop),
-    )
 
 
 def seed_everything(seed: int) -> None:

@@ -166,6 +166,25 @@ def _manifest_ok(ckpt: Path) -> bool:
         return False
 
 
+def newest_intact(run_dir: Path | str) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under run_dir/checkpoints whose files match their checksums (None if
+    there is none), and one note per newer checkpoint that does not. Reads only: unlike
+    CheckpointManager (which clears debris and sets damaged checkpoints aside), nothing in the
+    run directory changes, for reading someone else's run (`grouprl eval`)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return None, []
+    found = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    found.sort(key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
+    notes = []
+    for ckpt in found:  # newest first
+        problem = checksum_problem(ckpt)
+        if problem is None:
+            return ckpt, notes
+        notes.append(f"checkpoint {ckpt.name} is damaged ({problem}); skipped")
+    return None, notes
+
+
 class CheckpointManager:
     """Saves, finds and loads checkpoints under run_dir/checkpoints, keeping the newest `keep_last`
     complete ones (None keeps all)."""

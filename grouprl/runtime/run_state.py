@@ -34,10 +34,13 @@ from grouprl.config.loading import (
     _load_yaml,
     flatten,
     load_config,
+    read_config,
     save_run_config,
+    validate,
 )
 from grouprl.policies.flow.weights import OLD  # state_dict prefix of old / EMA weights
-from grouprl.runtime.checkpoint import CheckpointManager, restore_rng
+from grouprl.runtime.checkpoint import CheckpointManager, newest_intact, restore_rng
+from grouprl.runtime.user_inputs import is_python_object, python_objects_in
 
 RESUME_EXEMPT = frozenset({
     "run.resume", "run.overwrite", "run.allow_config_change", "run.console", "run.log_backends",
@@ -177,10 +180,9 @@ def _optimizer_tensors(optimizer) -> list[tuple[str, Any]]:
     ]
 
 
-def resume_from(
-    path: Path, policy, optimizer, scheduler, sampler, scaler=None
-) -> tuple[int, dict | None, dict | None]:
-    """Load checkpoint `path` into the objects; returns (step, eval before, eval after or None)."""
+def load_weights(path: Path, policy) -> dict[str, Any]:
+    """The trained weights of checkpoint `path` into `policy` (LoRA: the adapters; else the model
+    folder, plus a flow policy's old / EMA weights); returns the checkpoint's whole state."""
     state = CheckpointManager.load(path)
     if state.get("adapter") is not None:
         policy.load_state_dict(state["adapter"])
@@ -189,6 +191,14 @@ def resume_from(
         if state.get("old_weights"):
             own = {k: v for k, v in policy.state_dict().items() if not k.startswith(OLD)}
             policy.load_state_dict({**own, **state["old_weights"]})
+    return state
+
+
+def resume_from(
+    path: Path, policy, optimizer, scheduler, sampler, scaler=None
+) -> tuple[int, dict | None, dict | None]:
+    """Load checkpoint `path` into the objects; returns (step, eval before, eval after or None)."""
+    state = load_weights(path, policy)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
@@ -196,3 +206,41 @@ def resume_from(
         scaler.load_state_dict(state["loss_scaler"])
     restore_rng(state)
     return int(state["step"]), state.get("eval_before"), state.get("eval_after")
+
+
+def finished_run(run_dir: Path | str, overrides: list[str] = ()) -> tuple[Config, Path, list[str]]:
+    """A run directory for evaluation (`grouprl eval RUN`): its config (config.yaml, what the run
+    was started with, else config.resolved.yaml; plus `overrides`; run.output_dir / run.name
+    follow where the folder is now), its newest intact checkpoint, and a note per damaged newer
+    one. Reads only. A model given from Python (model.name_or_path "<python>:...") is read from
+    the checkpoint's model folder (merged weights under LoRA); any other part given from Python
+    (a dataset, a reward function, an env factory) is an error naming it: the run cannot be
+    rebuilt from its files alone."""
+    run_dir = Path(run_dir)
+    path = next((run_dir / n for n in ("config.yaml", "config.resolved.yaml")
+                 if (run_dir / n).is_file()), None)  # fmt: skip
+    if path is None:
+        raise FileNotFoundError(
+            f"{str(run_dir)!r} holds no config.yaml or config.resolved.yaml: not a run directory"
+        )
+    ckpt, notes = newest_intact(run_dir)
+    if ckpt is None:
+        damaged = f" ({'; '.join(notes)})" if notes else ""
+        raise FileNotFoundError(
+            f"run {str(run_dir)!r} has no intact checkpoint{damaged}; its initial weights are "
+            f"evaluated with `grouprl eval {path}`"
+        )
+    raw = read_config(path, overrides)
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if is_python_object(model.get("name_or_path")):  # the trained weights are a model folder
+        raw["model"] = {**model, "name_or_path": str(ckpt / "model"), "lora": None}
+    objects = python_objects_in(raw)
+    if objects:
+        raise ValueError(
+            f"run {str(run_dir)!r} was given parts as Python objects ("
+            + ", ".join(f"{k}: {v}" for k, v in objects.items())
+            + "), which its files do not hold; evaluate it from Python, giving the same objects "
+            f"to grouprl.Trainer({str(path)!r}, ...)"
+        )
+    raw["run"] = {**(raw.get("run") or {}), "output_dir": str(run_dir.parent), "name": run_dir.name}
+    return validate(raw), ckpt, notes

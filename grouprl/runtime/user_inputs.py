@@ -14,6 +14,10 @@ user's own Python modules (`module:function` rewards, `package.module:Class` mod
   code named "package.module:attr" or "path/to/file.py:attr" (rewards, agent tools, velocity
   modules). A file gets one module name per path (the same in every process, so workers agree);
   a dotted name is looked up in the installed packages, then in the working directory.
+- `python_object(what)` / `is_python_object(value)`: how a config names a part the Python API
+  was given as an object (a model, a dataset, a reward function, an env factory): the string
+  "<python>:what". A run's config.yaml thus records what was used, `grouprl eval` can say that
+  the run needs its objects again, and `Trainer` accepts the file back with the same objects.
 - `enable_crash_traces()`: faulthandler on, so a crash of the interpreter inside user code (a
   reward calling into C that segfaults) prints every thread's Python stack, naming the function.
 """
@@ -136,3 +140,31 @@ def enable_crash_traces() -> bool:
         except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
             continue
     return False
+
+
+PYTHON_OBJECT = "<python>"  # the module part of a config value standing for a Python object
+
+
+def python_object(what: str) -> str:
+    """The config value standing for an object given from Python, e.g. "<python>:reward_len"
+    (a reward's key stays the part after the colon, as for "module:function")."""
+    return f"{PYTHON_OBJECT}:{what}"
+
+
+def is_python_object(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(PYTHON_OBJECT + ":")
+
+
+def python_objects_in(data: Any, prefix: str = "") -> dict[str, str]:
+    """{dotted key: value} of every value in a config mapping (lists included, as key[i]) that
+    stands for an object given from Python."""
+    if isinstance(data, dict):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in data.items()]
+    elif isinstance(data, list | tuple):
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(data)]
+    else:
+        return {prefix: data} if is_python_object(data) else {}
+    found: dict[str, str] = {}
+    for key, value in items:
+        found.update(python_objects_in(value, key))
+    return found

@@ -189,6 +189,57 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def python_rewards(rewards: Any) -> dict[str, RewardFn | str]:
+    """The Python API's `reward_fns=` as {key: function, or a reward name as the config's
+    `rewards` take it}: a callable, a string, a list of them (a function's key is its __name__,
+    a name's key the part after the last ':'), or a dict key -> callable. Each function's
+    signature is checked as a loaded user function's is (check_reward_signature); scoring then
+    goes through score_completions like every reward (errors counted per sample, NaN)."""
+    if isinstance(rewards, Mapping):
+        items = list(rewards.items())
+        for key, fn in items:
+            if not isinstance(key, str) or not key or ":" in key:
+                raise ValueError(f"reward_fns: key {key!r} must be a non-empty name without ':'")
+            if not callable(fn):
+                raise TypeError(
+                    f"reward_fns[{key!r}] must be a callable, got {type(fn).__name__}; a reward "
+                    "given by name goes in a list: reward_fns=['format', my_fn]"
+                )
+    else:
+        entries = list(rewards) if isinstance(rewards, list | tuple) else [rewards]
+        if not entries:
+            raise ValueError("reward_fns is empty: give a function, a name, or a list of them")
+        items = [(_reward_key(entry), entry) for entry in entries]
+    out: dict[str, RewardFn | str] = {}
+    for key, entry in items:
+        if key in out:
+            raise ValueError(
+                f"reward_fns: two rewards are named {key!r}; give a dict name -> function to "
+                "name them apart"
+            )
+        if callable(entry):
+            check_reward_signature(entry, key)
+        out[key] = entry
+    return out
+
+
+def _reward_key(entry: Any) -> str:
+    if isinstance(entry, str):
+        return entry.rsplit(":", 1)[-1]
+    if not callable(entry):
+        raise TypeError(
+            f"reward_fns: {entry!r} is neither a reward function nor a reward name (a built-in "
+            "such as 'format', or 'module:function')"
+        )
+    name = getattr(entry, "__name__", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(
+            f"reward_fns: {entry!r} has no usable __name__ (e.g. a lambda); give a dict "
+            "name -> function"
+        )
+    return name
+
+
 def _batched_kwargs(examples: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> dict:
     """Example columns as per-completion lists ("prompt" -> "prompts"), plus `extra` as given.
 

@@ -6,21 +6,22 @@ are seed * 1_000_000 + i, held-out seeds seed * 1_000_000 + 900_000 + i.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from grouprl.envs.tasks.base import TaskData, check_int
 
 
 def build_env_task(
-    env_id: str,
+    env_id: str | Callable[..., Any],
     *,
     env_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     n_train: int = 10_000,
     n_eval: int = 64,
 ) -> TaskData:
-    """Options: env_id (a registered id such as grouprl/FrozenLake-v0, or "module:Class"),
-    env_kwargs (passed to the env constructor), seed, n_train / n_eval (numbers of start seeds)."""
+    """Options: env_id (a registered id such as grouprl/FrozenLake-v0, "module:Class", or from
+    Python an env factory: a callable returning a text env, envs/gym.make_text_env), env_kwargs (passed to the env constructor), seed, n_train / n_eval (numbers of start seeds)."""
     from grouprl.envs.gym import make_text_env
 
     check_int("n_train", n_train, minimum=1)

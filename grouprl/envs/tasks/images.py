@@ -12,7 +12,7 @@ functions as a per-sample keyword (e.g. GenEval-style metadata from a jsonl file
 sources add "class_label" (its index in the class list), which a class-conditional velocity model
 takes instead of a text embedding (model.condition: class_label).
 
-- shapes: the 12 "<colour> <shape>" prompts of grouprl.demos.shapes with class_label, colour, shape
+- shapes: the 12 "<colour> <shape>" prompts of grouprl.envs.shapes with class_label, colour, shape
   and target_rgb columns; default reward color_area (envs/rewards/shapes.py).
 - classes: one example per name in `classes`, class_label = its index; no default reward.
 - file: a .txt file (one prompt per line, blank lines skipped) or .jsonl (one object per line with a
@@ -35,7 +35,7 @@ from grouprl.envs.tasks.base import TaskData, check_choice, check_int
 
 
 def _shapes(**_: Any) -> list[dict]:
-    from grouprl.demos.shapes import COLORS, SHAPES, class_names
+    from grouprl.envs.shapes import COLORS, SHAPES, class_names
 
     names = class_names()
     pairs = [(c, s) for c in COLORS for s in SHAPES]  # class-id order

@@ -2,6 +2,7 @@
 
 Sources (`load_records`):
 - a `datasets.Dataset` or `DatasetDict` object passed from Python (the split picks the part);
+- a list of dicts passed from Python (one example per dict; the Python API's `dataset=`);
 - a local file: .jsonl, .json, .parquet, .csv (read without network);
 - a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (arrow files, no pickle);
 - a hub dataset name, `datasets.load_dataset(name, config, split=...)`.
@@ -143,8 +144,30 @@ def is_local(source: Any) -> bool:
 
 
 def describe(source: Any) -> str:
-    """How errors name the source: the path / hub name, or the Dataset object's type."""
+    """How errors name the source: the path / hub name, or the Python object's type."""
+    if isinstance(source, list):
+        return f"<list of {len(source)} rows passed from Python>"
     return source if isinstance(source, str) else f"<{type(source).__name__} passed from Python>"
+
+
+def _from_list(rows: list, split: str | None, task: str) -> list[dict]:
+    """Rows of a list passed from Python: each a dict with string keys (copied, so that the
+    task's columns never alias the caller's objects)."""
+    where = describe(rows)
+    if split is not None:
+        raise ValueError(f"{task} task: split={split!r} applies to a DatasetDict, not to {where}")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(
+                f"{task} task: row {i} of {where} is a {type(row).__name__}, not a dict: "
+                f"{str(row)[:80]!r}"
+            )
+        bad = [k for k in row if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"{task} task: row {i} of {where} has non-string keys {bad[:5]!r}")
+        out.append(dict(row))
+    return out
 
 
 def _from_dataset(data: Any, split: str | None, where: str, task: str) -> list[dict]:
@@ -172,10 +195,14 @@ def load_records(
                 f"{task} task: config applies to hub datasets, not to a Dataset object"
             )
         rows = _from_dataset(source, split, describe(source), task)
+    elif isinstance(source, list):
+        if config is not None:
+            raise ValueError(f"{task} task: config applies to hub datasets, not to a list of rows")
+        rows = _from_list(source, split, task)
     elif not isinstance(source, str) or not source:
         raise ValueError(
-            f"{task} task: source must be a dataset name, a file or folder path, or a "
-            f"datasets.Dataset, got {source!r}"
+            f"{task} task: source must be a dataset name, a file or folder path, a "
+            f"datasets.Dataset or a list of dicts, got {str(source)[:200]!r}"
         )
     elif is_local(source):
         path = Path(source).expanduser()

@@ -27,12 +27,12 @@ from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, mast
 from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.policies.text.engines.fast import FastEngine
 from grouprl.policies.text.engines.hf import HFEngine
-from grouprl.policies.text.engines.seeded import group_seeds
 from grouprl.policies.text.loading import DType, Prompt, encode_prompts, load_causal_lm
 from grouprl.policies.text.logprobs import completion_logprobs
 from grouprl.policies.text.lora import LoRASettings, add_lora
 from grouprl.policies.text.lora import lora_settings as _lora_settings
 from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
+from grouprl.rollouts.seeds import group_seeds
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
 
 # engines that generate with the policy's own model object, by rollout.engine name

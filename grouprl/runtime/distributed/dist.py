@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grouprl.policies.text.engines.seeded import sample_seed
 from grouprl.rollouts.batching import chunks, fill_micro_batches, split_batch
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.rollouts.seeds import sample_seed
 from grouprl.runtime.checkpoint import (
     CheckpointManager,
     capture_rng,
@@ -259,11 +259,6 @@ def setup(cfg: Any) -> Dist:
     accelerator = Accelerator(cpu=cpu)
     dist = Dist(cfg.run.seed, accelerator, None)
     dist.backend = backend_for(cfg, dist)
-    if cfg.model.type != "causal_lm":
-        raise ValueError(
-            f"several processes (WORLD_SIZE={dist.world}) train text policies only for now; "
-            f"model.type {cfg.model.type!r} runs in one process (plain `grouprl train`)"
-        )
     if cfg.rollout.prompts_per_step < dist.world:
         raise ValueError(
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} < {dist.world} processes: "

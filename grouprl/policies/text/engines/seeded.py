@@ -19,36 +19,9 @@ multinomial, so seeded and global runs sample different (equally distributed) co
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 from transformers.generation import LogitsProcessor
-
-SEED_BITS = 63  # torch.Generator.manual_seed takes any int; keep it non-negative and 64-bit safe
-
-
-def _seed_of(*key: int) -> int:
-    """A 63-bit seed from a tuple of ints (blake2b of their text)."""
-    text = ":".join(str(int(k)) for k in key)
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << SEED_BITS) - 1)
-
-
-def sample_seed(seed: int, group_id: int, index: int) -> int:
-    """The seed of sample `index` of group `group_id` in a run seeded `seed` (a 63-bit int)."""
-    return _seed_of(seed, group_id, index)
-
-
-def turn_seed(seed: int, group_id: int, index: int, turn: int) -> int:
-    """The seed of turn `turn` of episode `index` of group `group_id` (multi-turn rollouts: each
-    turn is a generate call of its own, so each gets its own stream)."""
-    return _seed_of(seed, group_id, index, turn)
-
-
-def group_seeds(seed: int, group_ids: list[int], group_size: int) -> list[int]:
-    """One seed per completion row, rows ordered group by group (G consecutive rows per group)."""
-    return [sample_seed(seed, int(g), j) for g in group_ids for j in range(group_size)]
 
 
 class SeededChoice(LogitsProcessor):

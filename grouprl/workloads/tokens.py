@@ -1,37 +1,50 @@
-"""Between sampling and the update: old / reference log-probs, advantages and loss weights.
+"""What text and agent workloads share: a token policy's preparation of a batch and its loss.
 
-Fills, on the Rollout: old_logp (when the update is off-policy), ref_logp (KL), advantages [N],
-token_scales [N, T] (lambda-GRPO prefix-share scales x EGSW weights) and seq_weights [N] (Delta-L),
-all computed once over the WHOLE batch, so that any micro-batch split sees the same numbers.
+Both train a causal LM on the tokens it generated (agents: the tokens of its own turns; the
+environment's tokens are masked out), so both:
+- prepare the batch once, between sampling and the update: old / reference log-probs, advantages
+  and loss weights. Fills, on the Rollout: old_logp (when the update is off-policy), ref_logp (KL),
+  advantages [N] (agents: [N, T] from their per-turn credit), token_scales [N, T] (lambda-GRPO
+  prefix-share scales x EGSW weights) and seq_weights [N] (Delta-L), all computed over the WHOLE
+  batch, so that any micro-batch split sees the same numbers;
+- score a micro-batch with `policy.log_probs` and hand the log-probs to the one objective library
+  (objectives.total_loss).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from grouprl.objectives import compute_advantages, sequence_kl
+from grouprl.objectives import compute_advantages, sequence_kl, total_loss
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.group_stats import batch_std
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
-from grouprl.rollouts.episodes import advantages as episode_advantages
+from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
-from grouprl.rollouts.image_loss import prepare as prepare_images
-from grouprl.rollouts.images import is_images
-from grouprl.types import Rollout
+from grouprl.types import LossOutput, Rollout
+
+# rollout -> per-token advantages [N, T] (agents: per-turn credit); None: group advantages [N]
+TokenCredit = Callable[[Rollout], Tensor] | None
 
 
 @torch.no_grad()
-def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
-    """Fill the rollout for the loss (see module docstring); return reward / length metrics."""
-    if is_images(cfg):  # flow / diffusion policies: per-step Gaussian KL, clipped advantages
-        return prepare_images(cfg, policy, rollout, weights)
+def prepare(
+    cfg: Any,
+    policy: Any,
+    rollout: Rollout,
+    weights: dict[str, float],
+    credit: TokenCredit = None,
+) -> dict[str, float]:
+    """Fill the rollout for the loss (see module docstring); return reward / length metrics.
+    credit: per-token advantages of multi-turn episodes (workloads/agent.py); None for the group
+    advantages of algorithm.advantage."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
     batch = rollout.actions
-    single_pass = a.epochs == 1 and a.minibatches == 1
     current = None  # a no-grad forward of the current policy, made at most once
 
     def current_policy():
@@ -40,7 +53,7 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             current = policy.log_probs(batch, temperature=temp, with_entropy=a.egsw != "off")
         return current
 
-    if cfg.rollout.old_logp == "recompute" and not single_pass:
+    if recompute_old(cfg):
         rollout.old_logp = current_policy().logp  # [N, T]
     # single pass: old_logp is set to the detached current logp inside update() (same weights)
     if a.kl_coef > 0:
@@ -51,8 +64,8 @@ def prepare(cfg: Any, policy: Any, rollout: Rollout, weights: dict[str, float]) 
             rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
             weights = {**weights, "kl_penalty": 1.0}
     lengths = batch.lengths.float()  # [N]
-    if rollout.step_ids is not None:  # multi-turn episodes: per-turn credit, [N, T]
-        rollout.advantages = episode_advantages(cfg, rollout)  # [N, T]
+    if credit is not None:  # multi-turn episodes: per-turn credit
+        rollout.advantages = credit(rollout)  # [N, T]
     else:
         rollout.advantages = compute_advantages(
             a.advantage, rollout.rewards, rollout.group_ids,
@@ -91,3 +104,30 @@ def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
         )  # fmt: skip  # [N, T]
         scales = w if scales is None else scales * w
     return scales
+
+
+def token_micro_loss(
+    cfg: Any, policy: Any, sub: Rollout, counts: dict[str, Any], *, single_pass: bool
+) -> tuple[LossOutput, Tensor]:
+    """The loss of micro-batch `sub` and the pi_old log-probs it used, [n, T].
+
+    single_pass: the update's own forward is pi_old (detached); otherwise the rollout's old_logp
+    (or, with rollout.old_logp 'engine', the engine's log-probs)."""
+    a = cfg.algorithm
+    need_entropy = a.entropy_coef != 0 or a.top_entropy_quantile < 1
+    out = policy.log_probs(
+        sub.actions,
+        temperature=cfg.rollout.temperature,
+        with_entropy=True,
+        entropy_grad=need_entropy,
+    )
+    old = out.logp.detach() if single_pass else sub.old_logp  # [n, T]
+    kept = old  # the trainer's score of the sampling weights, kept on the rollout (single pass)
+    if cfg.rollout.old_logp == "engine":
+        old = sub.engine_logp  # [n, T]
+    res = total_loss(
+        out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
+        algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
+        group_ids=sub.group_ids, token_scales=sub.token_scales, seq_weights=sub.seq_weights,
+    )  # fmt: skip
+    return res, kept

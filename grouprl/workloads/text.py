@@ -1,0 +1,217 @@
+"""Single-turn text: a prompt, G completions from a causal LM, reward functions on the text.
+
+The workload of verifiable tasks (math, countdown, code ...) and of model-based text rewards:
+collect = rollouts/single_turn.py (each process samples its share of the groups), prepare =
+workloads/tokens.py (old / reference log-probs, group advantages, token scales; the token loss),
+evaluation = greedy accuracy and pass@k on the held-out split (below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from grouprl.envs.rewards import RewardFn
+from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
+from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.sync import engine_mismatch
+from grouprl.rollouts.batching import single_pass
+from grouprl.rollouts.single_turn import collect
+from grouprl.runtime.build import build_rewards
+from grouprl.runtime.reward_guard import drain_reward_metrics
+from grouprl.types import LossOutput, Rollout
+from grouprl.workloads.base import Capabilities, Collected, Parts, register
+from grouprl.workloads.tokens import prepare, token_micro_loss
+
+
+def causal_lm_policy(
+    cfg: Any, device: torch.device, loaded: tuple[Any, Any] | None = None
+) -> CausalLMPolicy:
+    """model: -> CausalLMPolicy, its engine from rollout.engine; loaded: (transformers model,
+    tokenizer) given from Python (the Python API) instead of model.name_or_path, in the dtype
+    model.dtype names."""
+    m = cfg.model
+    settings = dict(
+        lora=m.lora.model_dump() if m.lora else None,
+        gradient_checkpointing=m.gradient_checkpointing,
+        logprob_chunk_size=m.logprob_chunk_size,
+        logprob_path=m.logprob_path,
+        # the frozen copy is made before any checkpoint is loaded, so it stays the initial model
+        need_reference=cfg.algorithm.kl_coef > 0,
+    )
+    if loaded is not None and cfg.rollout.engine not in LOCAL_ENGINES:
+        raise ValueError(
+            f"rollout.engine={cfg.rollout.engine!r} loads the model from model.name_or_path; a "
+            f"model given as an object samples with one of {sorted(LOCAL_ENGINES)}"
+        )
+    engine = TEXT_ENGINES[cfg.rollout.engine](cfg, device)
+    if loaded is not None:
+        model, tokenizer = loaded
+        policy = CausalLMPolicy(model, tokenizer, compute_dtype=m.dtype, engine=engine, **settings)
+    else:
+        policy = CausalLMPolicy.from_pretrained(
+            m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
+            **settings,
+        )  # fmt: skip
+    return policy.to(device)
+
+
+def sampling_params(cfg: Any) -> SamplingParams:
+    """rollout: -> the engine's sampling parameters."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=list(r.stop),
+    )
+
+
+def _vllm_engine(cfg: Any, device: torch.device):
+    from grouprl.policies.text.engines.vllm_setup import engine_from_config  # imports vllm: lazily
+
+    return engine_from_config(cfg, device)
+
+
+# rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model, a
+# string: that CausalLMPolicy.LOCAL_ENGINES engine over its own model
+TEXT_ENGINES = {
+    "hf": lambda cfg, device: None,
+    "fast": lambda cfg, device: "fast",
+    "vllm": _vllm_engine,
+}
+
+
+@register
+class TextWorkload:
+    """See the module docstring. reward_fns: name -> batched reward function; weights: their
+    weights in the combined reward."""
+
+    name: ClassVar[str] = "text"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
+        prompt_guard=True,
+    )  # fmt: skip
+    settings: ClassVar[None] = None
+
+    def __init__(self, parts: Parts) -> None:
+        self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
+        self.reward_fns = parts.reward_fns  # name -> batched function
+        self.params = sampling_params(parts.cfg)
+
+    @classmethod
+    def build_policy(cls, cfg: Any, device: torch.device) -> CausalLMPolicy:
+        return causal_lm_policy(cfg, device)
+
+    @classmethod
+    def build_rewards(cls, cfg: Any, task: Any) -> tuple[dict, dict[str, float]]:
+        return build_rewards(cfg, task, required=True)
+
+    def max_len(self) -> int:
+        return self.cfg.rollout.max_new_tokens  # one completion
+
+    def collect(
+        self, policy: Any, examples: list[dict], *, first_group_id: int, step: int
+    ) -> Collected:
+        cfg, first_errors = self.cfg, {}
+        seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
+        rollout, errors = self.dist.gather_groups(examples, first_group_id, lambda part, first: (
+            collect(policy, part, cfg.rollout.group_size, self.params, self.reward_fns,
+                    first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+                    first_errors=first_errors)
+        ))  # fmt: skip
+        return Collected(rollout, len(rollout), errors, first_errors)
+
+    def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
+        return rollout, {}
+
+    def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
+        return prepare(self.cfg, scorer, rollout, weights)
+
+    def micro_loss(
+        self, sub: Rollout, counts: dict[str, Any], *, single_pass: bool
+    ) -> tuple[LossOutput, Tensor]:
+        return token_micro_loss(self.cfg, self.policy, sub, counts, single_pass=single_pass)
+
+    def after_update(self, step: int, rollout: Rollout) -> dict[str, float]:
+        return step_mismatch(self.cfg, rollout)
+
+    def evaluate(self, examples: list[dict], *, step: int) -> tuple[dict[str, float], list[dict]]:
+        e = self.cfg.eval
+        metrics, rows = evaluate(
+            self.policy, examples, self.reward_fns, self.params,
+            batch_size=e.batch_size, pass_k=e.pass_k,
+        )  # fmt: skip
+        metrics.update(drain_reward_metrics(self.reward_fns))  # isolated rewards' counts
+        return metrics, rows
+
+    def accuracy_key(self) -> str:
+        return accuracy_key(self.reward_fns)
+
+
+def step_mismatch(cfg: Any, rollout: Rollout) -> dict[str, float]:
+    """engine_mismatch over the batch, after the update: rollout.old_logp then holds the trainer's
+    scores under the sampling weights (recompute mode, and every single-pass step, where the update
+    writes them). Empty without engine log-probs, or with old_logp 'engine' over several updates
+    (no trainer score of the sampling weights is made then)."""
+    if rollout.engine_logp is None or (cfg.rollout.old_logp == "engine" and not single_pass(cfg)):
+        return {}
+    return engine_mismatch(rollout.old_logp, rollout.engine_logp, rollout.mask)
+
+
+# ---- held-out evaluation: greedy accuracy and pass@k ---------------------------------------------
+
+
+def accuracy_key(reward_fns: dict[str, RewardFn]) -> str:
+    """The reward that counts as correctness: "accuracy" when present, else the first one."""
+    return "accuracy" if "accuracy" in reward_fns else next(iter(reward_fns))
+
+
+@torch.no_grad()
+def evaluate(
+    policy: Any,
+    examples: list[dict],
+    reward_fns: dict[str, RewardFn],
+    params: SamplingParams,
+    *,
+    batch_size: int,
+    pass_k: int = 0,
+    n_samples: int = 4,
+) -> tuple[dict[str, float], list[dict]]:
+    """Greedy accuracy (mean of the correctness reward, NaN counted as wrong), mean greedy length,
+    and pass@k (k samples at the rollout temperature; a problem passes if any sample scores >= 1).
+
+    Returns (metrics, rows): rows are the first `n_samples` greedy completions for the sample table.
+    """
+    key = accuracy_key(reward_fns)
+    scorer = {key: reward_fns[key]}
+    correct, lengths, passed, rows = [], [], [], []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        greedy, _ = collect(policy, chunk, 1, params, scorer, greedy=True)
+        correct.append(torch.nan_to_num(greedy.rewards[key], nan=0.0))  # [b]
+        lengths.append(greedy.actions.lengths.float())  # [b]
+        for i in range(min(len(chunk), n_samples - len(rows))):
+            rows.append(
+                {
+                    "prompt": greedy.info["prompt"][i],
+                    "completion": greedy.info["completion"][i],
+                    key: float(greedy.rewards[key][i]),
+                    "answer": chunk[i].get("answer", ""),
+                }
+            )
+        if pass_k > 0:
+            sampled, _ = collect(policy, chunk, pass_k, replace(params), scorer)
+            best = torch.nan_to_num(sampled.rewards[key], nan=0.0).view(len(chunk), pass_k)
+            passed.append((best.max(1).values >= 1.0).float())  # [b]
+    metrics = {
+        "accuracy": float(torch.cat(correct).mean()),
+        "response_length": float(torch.cat(lengths).mean()),
+    }
+    if pass_k > 0:
+        metrics[f"pass@{pass_k}"] = float(torch.cat(passed).mean())
+    return metrics, rows
