@@ -202,13 +202,14 @@ def options(model: type[BaseModel], prefix: str = "", when: str = "") -> list[Op
         discriminator = _discriminator(field, ann, variants)
         if variants:
             tags = tuple(_variant_tag(v, discriminator) for v in variants)
+            choices = tuple(value for tag in tags for value in tag.split("/"))
             by = f", chosen by {key}.{discriminator}" if discriminator else ""
             rows.append(
                 Option(
                     key,
                     "one of the variants below" + by + (" or null" if optional else ""),
                     _section_default(field, discriminator),
-                    tags,
+                    choices,
                     description,
                     when,
                     section=True,
@@ -368,6 +369,8 @@ def overview(model: type[BaseModel] | None = None) -> str:
         rows = [r for r in own if r.key != name and not r.when]
         rel = [r.key[len(name) :].removeprefix("[]").removeprefix(".") for r in rows]
         names = ", ".join(f"`{k}`" for k in rel if "." not in k)
+        if own[0].allowed and own[0].section:  # a union: its variants, each with its own fields
+            names = "variants " + ", ".join(f"`{a}`" for a in own[0].allowed)
         lines.append(f"| `{name}` | {_cell(own[0].description)} | {names} |")
     return "\n".join(lines) + "\n"
 
