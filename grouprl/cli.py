@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # `grouprl list rewards | head -1`: the reader left; stop quietly (stdout now goes nowhere,
+        # so the interpreter's final flush does not raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
         # bad input (config, data, model path, non-finite loss, a checkpoint that cannot be
         # trusted, user code that exited: train.UserCodeExit): one clear message, no traceback

@@ -112,3 +112,16 @@ def test_importing_grouprl_envs_registers_the_gymnasium_ids():
                           text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_listing_whose_reader_left_ends_quietly():
+    """`grouprl list presets | head -1`: here the reader (`true`) is gone before the listing is
+    written, so every write meets a closed pipe."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        f"{sys.executable} -m grouprl list presets | true; echo ${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=120,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "0"
