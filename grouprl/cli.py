@@ -1,10 +1,17 @@
-"""Command line: `grouprl train CONFIG.yaml [dotted.key=value ...]`, `grouprl eval CONFIG_OR_RUN`
-(also `python -m grouprl`)."""
+"""Command line (also `python -m grouprl`):
+
+grouprl train CONFIG.yaml [dotted.key=value ...]   train (`grouprl train --help` lists every key)
+grouprl eval CONFIG_OR_RUN [dotted.key=value ...]  held-out metrics of a config's model or a run
+grouprl config show [SECTION]                      every option: type, default, allowed, meaning
+grouprl list presets|rewards|tasks|workloads|envs  the registries' names, each with a summary
+grouprl bench NAME [ARGS ...]                      a benchmark of a source checkout
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from grouprl.config.loading import ConfigError, load_config
@@ -64,6 +71,74 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_show(args: argparse.Namespace) -> int:
+    from grouprl.config.docs import show_text
+
+    sys.stdout.write(show_text(args.section))
+    return 0
+
+
+def summary_line(obj: object) -> str:
+    """The first sentence of `obj`'s docstring's first paragraph ("" without a docstring); the
+    module's when the docstring says "See the module docstring"."""
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    # a sentence ends at ". " before a capital letter, not inside "e.g. X" / "i.e. X"
+    first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+(?=[A-Z])", paragraph, maxsplit=1)[0]
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if first.startswith("See the module docstring") and module is not None:
+        return summary_line(module)  # a class that defers to its module's docstring
+    return first
+
+
+def registry_listing(kind: str) -> list[tuple[str, str]]:
+    """(name, one-line summary) for each entry of a registry, in registration order."""
+    if kind == "presets":
+        from grouprl.config.presets import PRESETS
+
+        return [(name, " ".join(p.summary.split())) for name, p in PRESETS.items()]
+    if kind == "rewards":
+        from grouprl.envs.rewards import REWARDS
+
+        return [(name, summary_line(fn)) for name, fn in REWARDS.items()]
+    if kind == "tasks":
+        from grouprl.envs.tasks import TASKS
+
+        return [(name, summary_line(fn)) for name, fn in TASKS.items()]
+    if kind == "workloads":
+        import grouprl.workloads  # noqa: F401  (importing the package registers the workloads)
+        from grouprl.workloads.base import WORKLOADS
+
+        return [
+            (name, getattr(cls, "summary", None) or summary_line(cls))
+            for name, cls in WORKLOADS.items()
+        ]
+    if kind == "envs":
+        import gymnasium
+
+        import grouprl.envs  # noqa: F401  (importing it registers the gymnasium ids)
+
+        out = []
+        for env_id, spec in gymnasium.registry.items():
+            if spec.namespace != "grouprl":
+                continue
+            entry = spec.entry_point
+            if isinstance(entry, str):
+                entry = gymnasium.envs.registration.load_env_creator(entry)
+            out.append((env_id, summary_line(entry)))
+        return out
+    raise ValueError(f"unknown registry {kind!r}; valid: {', '.join(LISTS)}")
+
+
+LISTS = ("presets", "rewards", "tasks", "workloads", "envs")
+
+
+def _list(args: argparse.Namespace) -> int:
+    for name, summary in registry_listing(args.kind):
+        print(f"{name}\t{summary}")
+    return 0
+
+
 # `grouprl bench NAME`: the scripts in the repository's benchmarks/ folder (not installed with the
 # package; a source checkout is needed)
 BENCHMARKS = {
@@ -94,9 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     # a crash of the interpreter (a reward or env calling into C that segfaults) prints every
     # thread's Python stack to stderr, so the message names the user function that crashed
     enable_crash_traces()
-    parser = argparse.ArgumentParser(prog="grouprl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="grouprl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a policy from a YAML config")
+    from grouprl.config.docs import help_listing
+
+    t = sub.add_parser(
+        "train",
+        help="train a policy from a YAML config",
+        description="Train a policy from a YAML config; dotted.key=value overrides follow it.",
+        epilog=help_listing(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("config", help="path to the YAML config")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(func=_train)
@@ -108,8 +193,29 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. eval.pass_k=4")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=_eval)
+    config = sub.add_parser("config", help="describe the config's options")
+    config_sub = config.add_subparsers(dest="action", required=True)
+    show = config_sub.add_parser(
+        "show",
+        help="every option of the config (or of one section): type, default, allowed, meaning",
+        description="Print every option of the config, or of one section: its dotted key, type, "
+        "allowed values, default and description, read from the config models.",
+    )
+    show.add_argument(
+        "section", nargs="?", default=None, help="a section, dotted for nested ones (rollout.vllm)"
+    )
+    show.set_defaults(func=_config_show)
+    lister = sub.add_parser(
+        "list",
+        help="the names a config can use, each with a one-line summary",
+        description="One name per line, a TAB, a one-line summary.",
+    )
+    lister.add_argument("kind", choices=LISTS, help="which registry")
+    lister.set_defaults(func=_list)
     bench = sub.add_parser(
-        "bench", help="run a benchmark of benchmarks/ (table, JSON and PNG in benchmarks/results)"
+        "bench",
+        help="run a benchmark of benchmarks/ (table, JSON and PNG in benchmarks/results)",
+        description="Run a script of benchmarks/ (a source checkout); ARGS go to the script.",
     )
     bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the script")
@@ -117,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # `grouprl list rewards | head -1`: the reader left; stop quietly (stdout now goes nowhere,
+        # so the interpreter's final flush does not raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
         # bad input (config, data, model path, non-finite loss, a checkpoint that cannot be
         # trusted, user code that exited: train.UserCodeExit): one clear message, no traceback

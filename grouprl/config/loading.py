@@ -301,7 +301,8 @@ def user_settings(cfg: Config) -> dict:
 
 def save_run_config(cfg: Config, run_dir: Path) -> None:
     """config.yaml: what the user set (re-usable, e.g. with another preset); config.resolved.yaml:
-    every value the run used (defaults and preset values spelled out)."""
+    every value the run used (defaults and preset values spelled out); config.schema.json: the
+    config's JSON schema (pydantic `model_json_schema()`)."""
     mine = user_settings(cfg)
     for key in ACTION_KEYS:
         section, field = key.split(".")
@@ -311,3 +312,9 @@ def save_run_config(cfg: Config, run_dir: Path) -> None:
                 "the config file and overrides set; defaults and preset values are in "
                 "config.resolved.yaml)\n")  # fmt: skip
     save_resolved(cfg, run_dir / "config.resolved.yaml", "# every value this run used\n")
+    # the options' types, defaults, allowed values and descriptions, next to the values (editors
+    # validate a YAML config against it; `grouprl config show` prints the same models as text)
+    schema = run_dir / "config.schema.json"
+    tmp = schema.with_suffix(".tmp")
+    tmp.write_text(json.dumps(type(cfg).model_json_schema(), indent=2) + "\n", encoding="utf-8")
+    tmp.replace(schema)
