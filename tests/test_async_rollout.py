@@ -152,7 +152,7 @@ def test_generation_overlaps_the_update(monkeypatch, worker):
 
     # a stand-in policy: taking a snapshot and copying weights are instant, sampling takes 0.2 s
     model = torch.nn.Linear(1, 1)
-    monkeypatch.setattr(mod, "snapshot_policy", lambda policy: SimpleNamespace(model=model))
+    stand_in = SimpleNamespace(snapshot=lambda: SimpleNamespace(model=model))
     monkeypatch.setattr(mod, "copy_weights", lambda policy, snapshot: None)
 
     def make(step, pol, sampler):
@@ -160,7 +160,7 @@ def test_generation_overlaps_the_update(monkeypatch, worker):
         return None, {"where": f"{mp.current_process().name}/{threading.current_thread().name}"}
 
     def run(staleness):
-        source, _ = _source(None, staleness, make, steps=5, worker=worker)
+        source, _ = _source(stand_in, staleness, make, steps=5, worker=worker)
         start = time.perf_counter()
         for step in range(5):
             _, metrics = source.next(step, None)

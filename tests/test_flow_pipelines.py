@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from grouprl.config.loading import apply_overrides, validate
-from grouprl.policies.flow.build import build_flow_policy
 from grouprl.policies.flow.tiny import (
     tiny_flux_transformer,
     tiny_sd3_transformer,
@@ -28,6 +27,7 @@ from grouprl.policies.flow.tiny import (
     tiny_wan_transformer,
     tiny_wan_vae,
 )
+from grouprl.workloads.images_policy import build_flow_policy
 
 FLUX_DEV_SCHED = {
     "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,

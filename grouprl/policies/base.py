@@ -17,6 +17,10 @@ from torch import Tensor
 
 from grouprl.types import PolicyOutput, Rollout
 
+# state_dict prefix of a policy's old / EMA weights (DiffusionNFT, AWM): weights that train with
+# the policy but are not its model, so checkpoints keep them apart from the saved model folder
+OLD = "old::"
+
 
 class ReferenceScorer(Protocol):
     def log_probs(self, batch: Any, temperature: float = 1.0) -> Tensor:  # [N, T], no grad

@@ -43,7 +43,6 @@ images) are refused by workloads/base.py.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +103,7 @@ class OneStepOff:
         self.staleness, self.total = cfg.train.async_staleness, cfg.train.steps
         self.recompute = cfg.rollout.old_logp == "recompute"
         self.temperature = cfg.rollout.temperature
-        self.snapshot = snapshot_policy(policy)
+        self.snapshot = policy.snapshot()  # a copy with its own engine
         self.process = getattr(cfg.train, "async_worker", "thread") == "process"
         if self.process:  # async_worker.py: a forked child reads the weights from shared memory
             from grouprl.runtime.async_worker import ProcessRunner
@@ -180,22 +179,6 @@ def rollout_source(cfg: Any, policy: Any, sampler: Any, make: Make, world: int =
     if cfg.train.async_mode == "off":
         return SyncRollouts(make)
     return OneStepOff(cfg, policy, sampler, make)
-
-
-def snapshot_policy(policy: Any) -> Any:
-    """A CausalLMPolicy over copies of the model and tokenizer, with its own engine of the
-    policy's kind (hf or fast) and the policy's log-prob settings."""
-    from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
-
-    if type(policy.engine) not in LOCAL_ENGINES.values():
-        raise ValueError(f"async rollouts need a local engine (hf, fast), got {policy.engine}")
-    model = copy.deepcopy(policy.model).requires_grad_(False).eval()  # old_logp without dropout
-    tokenizer = copy.deepcopy(policy.tokenizer)  # fast tokenizers must not be shared by threads
-    engine = type(policy.engine)(model, tokenizer, policy.engine.batch_size)
-    return CausalLMPolicy(
-        model, tokenizer, logprob_chunk_size=policy.logprob_chunk_size,
-        logprob_path=policy.logprob_path, engine=engine,
-    )  # fmt: skip
 
 
 @torch.no_grad()

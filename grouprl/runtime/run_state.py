@@ -38,7 +38,7 @@ from grouprl.config.loading import (
     save_run_config,
     validate,
 )
-from grouprl.policies.flow.weights import OLD  # state_dict prefix of old / EMA weights
+from grouprl.policies.base import OLD  # state_dict prefix of old / EMA weights
 from grouprl.runtime.checkpoint import CheckpointManager, newest_intact, restore_rng
 from grouprl.runtime.user_inputs import is_python_object, python_objects_in
 

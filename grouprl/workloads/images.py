@@ -36,7 +36,7 @@ class ImagesWorkload:
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:
-        from grouprl.policies.flow.build import build_flow_policy  # diffusers: image runs only
+        from grouprl.workloads.images_policy import build_flow_policy  # diffusers: image runs only
 
         return build_flow_policy(cfg, device)
 

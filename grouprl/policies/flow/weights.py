@@ -23,12 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grouprl.policies.base import OLD
 from grouprl.policies.flow import lora as flow_lora
 from grouprl.policies.flow.models import Family
 from grouprl.policies.precision import master_weights
 from grouprl.policies.text.lora import LoRASettings
-
-OLD = "old::"
 
 
 class FlowWeights:

@@ -278,6 +278,37 @@ class CausalLMPolicy:
                 f"unexpected {unexpected}"
             )
 
+    def snapshot(self) -> CausalLMPolicy:
+        """A CausalLMPolicy over copies of the model and tokenizer, with its own engine of this
+        policy's kind (hf or fast) and its log-prob settings: what one-step-off rollouts sample
+        with while this policy trains (runtime/async_rollout.py)."""
+        if type(self.engine) not in LOCAL_ENGINES.values():
+            raise ValueError(f"async rollouts need a local engine (hf, fast), got {self.engine}")
+        model = copy.deepcopy(self.model).requires_grad_(False).eval()  # old_logp without dropout
+        tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared by threads
+        engine = type(self.engine)(model, tokenizer, self.engine.batch_size)
+        return CausalLMPolicy(
+            model, tokenizer, logprob_chunk_size=self.logprob_chunk_size,
+            logprob_path=self.logprob_path, engine=engine,
+        )  # fmt: skip
+
+    def sampling_copy(self) -> torch.nn.Module:
+        """Sharded training (FSDP2): the trained model moves into the sharded wrapper, and this
+        policy (and its local engine) sample with a frozen full copy instead. Returns the copy,
+        which the backend refreshes after every optimizer step."""
+        trained = self.model
+        self.model = copy.deepcopy(trained).requires_grad_(False)
+        if type(self.engine) in LOCAL_ENGINES.values() and self.engine.model is trained:
+            self.engine = type(self.engine)(self.model, self.tokenizer, self.engine.batch_size)
+        return self.model
+
+    def scoring_module(self, path: str | None = None) -> torch.nn.Module:
+        """The model behind one forward that scores completions (what DDP / FSDP2 / DeepSpeed
+        wrap: policies/text/scoring_module.py); path: the log-prob path, default this policy's."""
+        from grouprl.policies.text.scoring_module import ScoringModule
+
+        return ScoringModule(self.model, self.logprob_chunk_size, path or self.logprob_path)
+
     def to(self, device: torch.device | str) -> CausalLMPolicy:
         """Move the model (and the reference copy, if one was made) to `device`."""
         self.model.to(device)

@@ -27,7 +27,6 @@ weights, so `run.resume` refuses a DeepSpeed run (start a new run from the saved
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -80,19 +79,13 @@ class _PlainCopy:
     scoring_path = "plain"
 
     def attach(self, policy: Any) -> None:
-        from grouprl.policies.text.causal_lm import LOCAL_ENGINES
-
         if policy.lora is not None:
             raise ValueError(
                 f"LoRA with {type(self).__name__} (sharded parameters) is not supported; use the "
                 "DDP or DeepSpeed ZeRO-2 config, or train all weights"
             )
-        self.sharded_model = policy.model  # trains inside the wrapped ScoringModule
-        policy.model = copy.deepcopy(policy.model).requires_grad_(False)
-        engine = policy.engine  # a local engine (hf, fast) generates with the copy
-        if type(engine) in LOCAL_ENGINES.values() and engine.model is self.sharded_model:
-            policy.engine = type(engine)(policy.model, policy.tokenizer, engine.batch_size)
-        self.copy = policy.model
+        self.sharded_model = policy.model  # trains inside the wrapped scoring module
+        self.copy = policy.sampling_copy()  # the policy and its local engine sample with a copy
 
     def refresh(self) -> None:  # every process, after every optimizer step
         with torch.no_grad():

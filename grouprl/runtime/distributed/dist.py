@@ -63,7 +63,7 @@ from grouprl.runtime.checkpoint import (
     restore_rng,
 )
 from grouprl.runtime.distributed.io import NullLogger, SharedCheckpoints
-from grouprl.runtime.distributed.model import DistributedPolicy, ScoreView, ScoringModule
+from grouprl.runtime.distributed.model import DistributedPolicy, ScoreView
 from grouprl.types import Rollout, select_rows
 
 _EMPTY = torch.empty(0, dtype=torch.long)  # a padding micro-batch (see module docstring)
@@ -228,8 +228,9 @@ class Dist:
         """Wrap the policy's model for this backend (DDP, FSDP2, DeepSpeed through accelerate)."""
         if self.backend is None:
             return policy, optimizer
-        path = getattr(self.backend, "scoring_path", policy.logprob_path)  # sharded: "plain"
-        module = ScoringModule(policy.model, policy.logprob_chunk_size, path)
+        module = policy.scoring_module(
+            getattr(self.backend, "scoring_path", None)
+        )  # sharded: plain
         module, optimizer = self.backend.wrap(policy, module, optimizer)
         return DistributedPolicy(policy, module, self.backend), optimizer
 
