@@ -45,7 +45,10 @@ def warmup_dir() -> Path:
     from grouprl.envs.tasks import build_task
 
     cfg = load_config(CONFIG, [])
-    steps, target = 3000, 0.3  # demo.py's defaults, so the cache is shared with the demo
+    steps, target = (
+        3000,
+        0.3,
+    )  # demos/arithmetic.py's defaults, so the cache is shared with the demo
     recipe = [cfg.task.model_dump(), MODEL, cfg.run.seed, steps, target]
     key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
     out = C.ROOT / cfg.run.output_dir / f"{cfg.run.name}-warmup-{key}"

@@ -31,7 +31,7 @@ from grouprl.envs.shapes import (
     sample_batch,
 )
 from grouprl.envs.tasks import build_task
-from grouprl.rollouts.images import save_grid
+from grouprl.workloads.images.sampling import save_grid
 
 # ---- synthetic shapes --------------------------------------------------------------------------
 

@@ -18,10 +18,10 @@ import grouprl.train as train_mod
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.demos.velocity import ShapesVelocityNet
 from grouprl.envs.tasks import build_task
-from grouprl.rollouts import images
 from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.train import train
 from grouprl.workloads import build_policy
+from grouprl.workloads.images import sampling as images
 
 NET = {"channels": [8, 16], "emb_dim": 16, "groups": 4}
 
@@ -282,8 +282,8 @@ def test_flow_resume_after_crash_is_bit_identical(tmp_path, monkeypatch, variant
 def test_prepare_clips_advantages_at_adv_clip_max(tmp_path):
     """Group [1, 0, 0, 0]: mean 0.25, unbiased std 0.5, so GRPO gives (0.75, -0.25 x 3) / 0.5001;
     adv_clip_max 1 clips the first to 1.0."""
-    from grouprl.rollouts.image_loss import prepare
     from grouprl.types import Rollout
+    from grouprl.workloads.images.loss import prepare
 
     cfg = module_cfg(tmp_path, "algorithm.kl_coef=0", "algorithm.scale=group",
                      "diffusion.adv_clip_max=1.0", "algorithm.minibatches=1")  # fmt: skip

@@ -27,7 +27,7 @@ from grouprl.policies.flow.tiny import (
     tiny_wan_transformer,
     tiny_wan_vae,
 )
-from grouprl.workloads.images_policy import build_flow_policy
+from grouprl.workloads.images.policy import build_flow_policy
 
 FLUX_DEV_SCHED = {
     "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
@@ -418,8 +418,8 @@ def test_lora_save_loads_with_load_lora_weights(tmp_path, pipelines):
 def test_flow_grpo_second_optimizer_step_has_a_ratio_away_from_one(tmp_path, monkeypatch):
     """Old code: one optimizer step per round (the preset), so every ratio was exactly 1 and the clip
     never acted. Flow-GRPO's configs take two (gradient_accumulation_steps = batches // 2)."""
-    from grouprl.rollouts import image_loss
     from grouprl.train import train
+    from grouprl.workloads.images import loss as image_loss
 
     seen = []
     real = image_loss.total_loss

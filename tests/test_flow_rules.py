@@ -183,7 +183,7 @@ def test_diffusion_sigma_spacing_reaches_the_rules(tmp_path):
     family after the policy had fixed its spacing, and was ignored); model.type unet refuses it."""
     from test_diffusion_train import module_cfg
 
-    from grouprl.workloads.images_policy import build_flow_policy
+    from grouprl.workloads.images.policy import build_flow_policy
 
     cpu = torch.device("cpu")
     pol = build_flow_policy(module_cfg(tmp_path, "diffusion.sigma_spacing=linear"), cpu)
@@ -205,8 +205,9 @@ def test_collect_and_prepare_fill_typed_fields_not_info(tmp_path):
 
     from grouprl.envs.tasks import build_task
     from grouprl.objectives.objective import count_tokens
-    from grouprl.rollouts import image_loss, images
-    from grouprl.workloads.images_policy import build_flow_policy
+    from grouprl.workloads.images import loss as image_loss
+    from grouprl.workloads.images import sampling as images
+    from grouprl.workloads.images.policy import build_flow_policy
 
     cfg = module_cfg(tmp_path, "algorithm.kl_coef=0.1", "algorithm.minibatches=1")
     policy = build_flow_policy(cfg, torch.device("cpu"))

@@ -64,8 +64,8 @@ MODALITY = (
     "grouprl.workloads",
     "grouprl.demos",
     "grouprl.replicas",
-    "grouprl.rollouts.images",
-    "grouprl.rollouts.image_loss",
+    "grouprl.workloads.images.sampling",
+    "grouprl.workloads.images.loss",
     "grouprl.rollouts.multi_turn",
     "grouprl.rollouts.single_turn",
 )

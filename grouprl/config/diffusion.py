@@ -22,7 +22,7 @@ Sampler = Literal["flow_sde", "dance_sde", "cps", "ode", "ddim"]
 EmaDecay = Literal["none", "nft_ramp", "nft_delayed", "awm_ramp"]
 
 # the field that sets each stochastic sampler's noise (see policies.flow.samplers.SAMPLER_OPTIONS);
-# the one copy (grouprl/workloads/images_policy.py imports it)
+# the one copy (grouprl/workloads/images/policy.py imports it)
 NOISE_FIELD = {"flow_sde": "noise_level", "cps": "noise_level", "dance_sde": "eta", "ddim": "eta"}
 
 

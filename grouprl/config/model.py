@@ -70,7 +70,7 @@ class TextModelConfig(Section):
 
 
 class ImageModelConfig(Section):
-    """An image / video policy (grouprl/workloads/images_policy.py), workload images."""
+    """An image / video policy (grouprl/workloads/images/policy.py), workload images."""
 
     type: Literal["flow", "unet"] = Field(
         "flow",

@@ -9,7 +9,7 @@ side then has N steps to run. How they run (config `agent.env_execution`, option
                 waits rather than computes: a sandboxed tool call (ToolMath runs a subprocess), a
                 remote simulator, or envs that live in their own process (env_step_timeout_s).
   "processes"   every env lives in its own forked process (as with env_step_timeout_s, see
-                envs/env_isolation.py) and the thread pool drives them, so CPU-bound Python envs
+                runtime/env_guard.py) and the thread pool drives them, so CPU-bound Python envs
                 step in parallel on several cores; a crash or hang costs only its episode.
 
 gymnasium's own vector envs (SyncVectorEnv / AsyncVectorEnv) are not used: they step every

@@ -18,7 +18,7 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
   as verl-agent's invalid-action penalty does (its default 0.1).
 - TokenBatch.truncated means the *episode* was truncated (turn limit, context, env truncation).
 - Tools (item "tools for real"): with a `ToolSet` (config `agent.tools`) every assistant turn is
-  parsed for tool calls in the configured format (policies/tool_formats.py); a turn with calls
+  parsed for tool calls in the configured format (envs/tools/formats.py); a turn with calls
   runs ALL of them in order (the env is not stepped; the turn's reward is 0, minus the invalid
   penalty when a call failed) and their results come back as `tool` messages rendered by the
   template; a turn without calls goes to the env. The schemas (the ToolSet's and an env's own

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 STANDARD_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train reward", ("reward/mean",)),
     ("held-out accuracy", ("eval/accuracy",)),
-    ("held-out reward", ("eval/reward",)),  # image / video runs (rollouts/images.py)
+    ("held-out reward", ("eval/reward",)),  # image / video runs (workloads/images/sampling.py)
     ("KL", ("kl",)),
     ("entropy", ("entropy",)),
     ("response length", ("response_length/mean",)),

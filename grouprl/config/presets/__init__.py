@@ -35,7 +35,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {spec["name"]: Preset(**spec) for spec in TEXT_PRESETS}
 
-# image / video presets (flow_grpo, dance_grpo, ddpo, diffusion_nft ...), documented in flow_presets.py
+# image / video presets (flow_grpo, dance_grpo, ddpo, diffusion_nft ...), documented in presets/flow.py
 PRESETS.update({spec["name"]: Preset(**spec) for spec in FLOW_PRESETS})
 
 

@@ -1,6 +1,6 @@
 """Named algorithms for image / video flow and diffusion models (same registry as the text presets).
 
-Each entry is the data of one `config.presets.Preset` (presets.py registers them): `algorithm:`
+Each entry is the data of one `config.presets.Preset` (presets/__init__.py registers them): `algorithm:`
 fields as plain keys, other sections as "section.field" keys ("diffusion.noise_level",
 "train.lr", "model.lora"); the typed parts (algorithm.surrogate, diffusion.train_steps,
 diffusion.objective) as mappings with their `type`. A preset fills only what the user left unset; a mapping value such as

@@ -1,7 +1,7 @@
 """Named algorithms for language models and agents (one registry with the image presets of
-flow_presets.py).
+presets/flow.py).
 
-Each entry is the data of one `config.presets.Preset` (presets.py registers them): `algorithm:`
+Each entry is the data of one `config.presets.Preset` (presets/__init__.py registers them): `algorithm:`
 fields as plain keys, other sections as "section.field" keys ("agent.credit", "rollout.group_size").
 
 Choices and deviations (sources: METHODS.md, peers/text.md):

@@ -25,7 +25,7 @@ ratio is exactly 1 (its on-policy case). "mean" over (sample, timestep) pairs is
 sum / num_terms when the caller passes a global count (gradient accumulation, several ranks).
 
 Timestep draws, the old / EMA weight decays and the config -> keyword mapping live in
-objectives/flow_support.py.
+objectives/flow/support.py.
 Deviations: NFT's KL term is added with gradient (Flow-Factory's port computes it under no_grad).
 """
 

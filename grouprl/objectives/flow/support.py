@@ -1,4 +1,4 @@
-"""Support for the likelihood-free flow objectives (objectives/flow_objectives.py): which timesteps
+"""Support for the likelihood-free flow objectives (objectives/flow/losses.py): which timesteps
 are trained, how the old (DiffusionNFT, arXiv 2509.16117) / EMA (AWM, arXiv 2509.25050) weights
 follow the trained ones, and which `diffusion:` config fields set each loss's keyword options.
 

@@ -49,7 +49,7 @@ Choices and deviations:
   the trainable weights (full model or LoRA adapters) are float32 master weights whatever it is.
 - gradient_checkpointing turns on diffusers' own block checkpointing of the denoiser (an error for
   a model without it). pipeline_source: the pipeline folder / hub id the model came from; a full
-  model is then saved as a complete pipeline folder (flow_pipeline_folder.py).
+  model is then saved as a complete pipeline folder (pipeline_folder.py).
 - The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
   "old" weights of DiffusionNFT / AWM: weights.py. Sampling: sampling.py; the schedule, one step
   and the KL variance: rules.py; forward noising (velocity rules only): noising.py.
@@ -337,7 +337,7 @@ class FlowPolicy:
         LoRA only with merge_lora), scheduler/, pytorch_lora_weights.safetensors under LoRA (what
         `pipe.load_lora_weights(directory)` reads) and grouprl_flow.json (family, latent shape).
         A full model built from a pipeline (pipeline_source) is saved as a complete pipeline
-        folder: model_index.json and every other component (flow_pipeline_folder.py)."""
+        folder: model_index.json and every other component (pipeline_folder.py)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.weights.save(directory, merge_lora)

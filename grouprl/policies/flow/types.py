@@ -96,7 +96,7 @@ class FlowBatch:
     old_mean:      Float[N, K, *latent] | None  the sampler means at rollout (GRPO-Guard needs them;
                    stored when sample(..., store_means=True))
     ref_mean:      Float[N, K, *latent] | None  the reference's step means (the KL), filled once
-                   per rollout by rollouts/image_loss.prepare when a KL is on
+                   per rollout by workloads/images/loss.prepare when a KL is on
     sampler / noise_level: the stochastic sampler and its parameter (noise_level, or eta) used
     """
 

@@ -1,5 +1,5 @@
 """Several processes through accelerate: `accelerate launch [--config_file configs/accelerate/X.yaml]
--m grouprl train CONFIG ...` (the DDP / FSDP2 / DeepSpeed wrapping: distributed_backends.py). A plain
+-m grouprl train CONFIG ...` (the DDP / FSDP2 / DeepSpeed wrapping: backends.py). A plain
 `grouprl train` is one process and uses `SINGLE`, whose methods are the single-process code paths.
 
 Where groups live: placed per process, then the scored batch is gathered. Every process holds the

@@ -2,9 +2,9 @@
 
 An action is one stochastic denoising step x_t -> x_{t-1} (a Gaussian transition), so an image is
 a K-step trajectory with log-probs [N, K]; reward functions score the decoded images. collect /
-evaluate: rollouts/images.py; prepare, the loss of one micro-batch (Flow-GRPO, DanceGRPO, MixGRPO,
+evaluate: workloads/images/sampling.py; prepare, the loss of one micro-batch (Flow-GRPO, DanceGRPO, MixGRPO,
 GRPO-Guard, and the likelihood-free DiffusionNFT / AWM) and the after-update hooks (old / EMA
-weights): rollouts/image_loss.py. One process (no multi_process capability), global-RNG noise.
+weights): workloads/images/loss.py. One process (no multi_process capability), global-RNG noise.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 
 from grouprl.config.diffusion import DiffusionConfig
-from grouprl.rollouts import image_loss, images
 from grouprl.runtime.build import build_rewards
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
+from grouprl.workloads.images import loss as image_loss
+from grouprl.workloads.images import sampling as images
 from grouprl.workloads.text import accuracy_key
 
 
@@ -36,7 +37,7 @@ class ImagesWorkload:
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:
-        from grouprl.workloads.images_policy import build_flow_policy  # diffusers: image runs only
+        from grouprl.workloads.images.policy import build_flow_policy  # diffusers: image runs only
 
         return build_flow_policy(cfg, device)
 

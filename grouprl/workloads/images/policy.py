@@ -8,7 +8,7 @@ model.type "flow":
   replaces the shift, turns dynamic shifting off, and says so in a warning) and a
   PromptEncoder over the pipeline's own text encoders (each prompt encoded once, cached);
 - a user velocity module "package.module:Class" / "file.py:Class" (called `model(x, sigma, **cond)`,
-  see policies/flow_models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
+  see policies/flow/models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
   into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
   conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
 model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
@@ -20,7 +20,7 @@ Choices: full fine-tuning keeps a frozen reference copy only when a KL is on, ma
 checkpoint is loaded (so a resumed run keeps the initial model as its reference); LoRA settings
 without target_modules take the family's attention projections. The sampler "ode" (likelihood-free
 objectives) builds the policy with "flow_sde" as its stochastic sampler, which those rollouts never
-use (they sample every step deterministically, rollouts/images.py).
+use (they sample every step deterministically, workloads/images/sampling.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ image grids saved as PNG.
 
 Glue between train.py, the flow policy (policies/flow/policy.py: FlowPolicy with flow or DDIM rules) and the reward functions
 (envs/rewards: fn(images, prompts=..., **columns) -> list[float | None]). The loss side (advantages,
-KL, GRPO-Guard, DiffusionNFT / AWM) is rollouts/image_loss.py.
+KL, GRPO-Guard, DiffusionNFT / AWM) is workloads/images/loss.py.
 
 - Conditioning (CONDITIONS, keyed by model.condition): "prompt" encodes the examples' prompts with
   the policy's cached text encoders; "class_label" takes the examples' class_label column (with

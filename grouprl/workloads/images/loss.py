@@ -44,8 +44,8 @@ from grouprl.objectives.group_stats import batch_std
 from grouprl.policies.flow.gaussian import ratio_diagnostics
 from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
-from grouprl.rollouts.images import likelihood_free, needs_old_weights
 from grouprl.types import LossOutput, PolicyOutput, Rollout
+from grouprl.workloads.images.sampling import likelihood_free, needs_old_weights
 
 if TYPE_CHECKING:
     from grouprl.policies.flow.policy import FlowPolicy, ReferenceScorer
