@@ -64,8 +64,6 @@ MODALITY = (
     "grouprl.workloads",
     "grouprl.demos",
     "grouprl.replicas",
-    "grouprl.workloads.images.sampling",
-    "grouprl.workloads.images.loss",
     "grouprl.rollouts.multi_turn",
     "grouprl.rollouts.single_turn",
 )

@@ -348,8 +348,8 @@ def test_an_over_long_prompt_is_filtered_before_vllm_sees_it(tmp_path, vllm_mode
     rows.append({"question": "9+" * 200 + "9=", "answer": "1809"})  # 402 tokens > 256 - 6
     data = tmp_path / "long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = make_cfg(tmp_path, vllm_model_dir, "train.steps=2", "eval.max_examples=1")
-    cfg.task.name, cfg.task.options = "math", {"source": str(data)}
+    cfg = make_cfg(tmp_path, vllm_model_dir, "train.steps=2", "eval.max_examples=1",
+                   "task.name=math", f"task.options={{source: {data}}}")  # fmt: skip
     with pytest.warns(UserWarning, match="1 of 4 train prompts are longer than 250 tokens"):
         train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]

@@ -74,8 +74,9 @@ class BanditPolicy(nn.Module):
         self.logits.data.copy_(load_file(str(Path(directory) / "bandit.safetensors"))["logits"])
 
 
-@register
 class BanditWorkload:
+    """A 4-armed bandit as a workload (the test's fourth modality)."""
+
     name: ClassVar[str] = "bandit"
     capabilities: ClassVar[Capabilities] = Capabilities()
     settings: ClassVar[type] = BanditSettings

@@ -40,10 +40,9 @@ from grouprl.objectives.flow.support import (
     likelihood_free_options,
     stratified_timestep_indices,
 )
-from grouprl.objectives.group_stats import batch_std
 from grouprl.policies.flow.gaussian import ratio_diagnostics
 from grouprl.rollouts.batching import recompute_old
-from grouprl.rollouts.filters import combined_reward
+from grouprl.rollouts.reward_metrics import reward_metrics
 from grouprl.types import LossOutput, PolicyOutput, Rollout
 from grouprl.workloads.images.sampling import likelihood_free, needs_old_weights
 
@@ -104,11 +103,7 @@ def prepare(
         metrics["advantage/clipped_frac"] = float((adv.abs() > d.adv_clip_max).float().mean())
         adv = adv.clamp(-d.adv_clip_max, d.adv_clip_max)  # [N]
     rollout.advantages = adv.to(rollout.old_logp.device)  # rewards are scored on the CPU
-    total = combined_reward(rollout.rewards, weights)  # [N]
-    metrics["reward/mean"] = float(torch.nanmean(total))
-    metrics["reward/std"] = float(batch_std(total, ~total.isnan()))
-    for k, v in rollout.rewards.items():
-        metrics[f"reward/{k}"] = float(torch.nanmean(v)) if (~v.isnan()).any() else math.nan
+    metrics.update(reward_metrics(rollout.rewards, weights))
     metrics["trained_steps/mean"] = float(rollout.mask.sum(1).float().mean())
     return metrics
 

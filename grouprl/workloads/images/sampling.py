@@ -35,6 +35,7 @@ from grouprl.envs.rewards import score_completions
 from grouprl.objectives.flow.support import stratified_timestep_indices
 from grouprl.policies.flow.weights import OLD
 from grouprl.rollouts.filters import combined_reward
+from grouprl.rollouts.reward_metrics import nanmean_or_nan
 from grouprl.types import Rollout
 
 if TYPE_CHECKING:
@@ -194,17 +195,13 @@ def evaluate(
     imgs = torch.cat(images)  # [E, 3, ...]
     scores = {k: torch.cat([r[k] for r in rewards]) for k in rewards[0]}  # name -> [E]
     total = combined_reward(scores, {k: weights.get(k, 1.0) for k in scores})  # [E]
-    metrics = {"reward": _nanmean(total), **{k: _nanmean(v) for k, v in scores.items()}}
+    metrics = {"reward": nanmean_or_nan(total), **{k: nanmean_or_nan(v) for k, v in scores.items()}}
     path = Path(cfg.run_dir) / "images" / f"step-{step:08d}.png"
     save_grid(imgs, [ex.get("prompt", "") for ex in examples], path)
     rows = [{"prompt": ex.get("prompt", ""), "seed": ex.get("seed"), "reward": float(total[i]),
              **{k: float(v[i]) for k, v in scores.items()}}
             for i, ex in enumerate(examples[:n_samples])]  # fmt: skip
     return metrics, rows
-
-
-def _nanmean(x: Tensor) -> float:
-    return float(torch.nanmean(x)) if bool((~x.isnan()).any()) else math.nan
 
 
 def save_grid(images: Tensor, prompts: list[str], path: Path, min_tile: int = 64) -> Path:
