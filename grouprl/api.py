@@ -24,6 +24,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel
 
 from grouprl.config.loading import Config, apply_overrides, read_config, user_settings, validate
+from grouprl.config.migration import infer_workload
 from grouprl.envs.gym import env_name
 from grouprl.envs.rewards.loading import python_rewards
 from grouprl.envs.tasks import TaskData, build_task
@@ -260,6 +261,8 @@ class TrainerArguments:
             raise TypeError(f"config must be a Config, a mapping or a YAML path, got "
                             f"{type(config).__name__}")  # fmt: skip
         self._fill(raw)
+        if self.settings and "workload" not in raw:  # the parts given say which: no old config
+            raw["workload"] = {"type": infer_workload(raw)}
         left = {k: v for k, v in python_objects_in(raw).items()
                 if not _given_key(k, self.settings)}  # fmt: skip
         if left:
