@@ -9,28 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+from daemons import spawn_daemon
 
 from grouprl.runtime.env_guard import GuardedEnv
 from grouprl.runtime.process_tree import descendants, kill_tree
 from grouprl.runtime.reward_guard import IsolatedReward
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-
-
-def _spawn_daemon(pid_file: Path) -> None:
-    """fork, setsid, fork again, the middle one exits: a sleeper in its own session."""
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        if os.fork() == 0:
-            pid_file.write_text(str(os.getpid()))
-            time.sleep(300)
-        os._exit(0)
-    os.waitpid(pid, 0)
-    for _ in range(200):
-        if pid_file.exists() and pid_file.read_text():
-            return
-        time.sleep(0.01)
 
 
 def _alive(pid: int) -> bool:
@@ -46,7 +31,7 @@ def test_an_isolated_rewards_daemon_ends_with_close(tmp_path):
     pid_file = tmp_path / "daemon.pid"
 
     def reward(completions, **_):
-        _spawn_daemon(pid_file)
+        spawn_daemon(pid_file)
         return [1.0] * len(completions)
 
     fn = IsolatedReward(reward, "spawner", timeout_s=30)
@@ -61,7 +46,7 @@ def test_a_daemon_of_a_reward_past_its_deadline_ends_with_its_worker(tmp_path):
     pid_file = tmp_path / "daemon.pid"
 
     def reward(completions, **_):
-        _spawn_daemon(pid_file)
+        spawn_daemon(pid_file)
         time.sleep(60)
 
     fn = IsolatedReward(reward, "hangs", timeout_s=1.5)
@@ -78,7 +63,7 @@ class _SpawningEnv:
         return "start", {}
 
     def step(self, action):
-        _spawn_daemon(self.pid_file)
+        spawn_daemon(self.pid_file)
         return "obs", 0.0, False, False, {}
 
 
@@ -104,7 +89,7 @@ def test_kill_tree_kills_a_whole_tree_and_nothing_else(tmp_path):
         from grouprl.runtime.process_tree import become_subreaper
 
         become_subreaper()
-        _spawn_daemon(pid_file)
+        spawn_daemon(pid_file)
         time.sleep(300)
         os._exit(0)
     try:

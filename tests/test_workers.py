@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from daemons import spawn_daemon
 
 from grouprl.runtime.process_tree import descendants
 from grouprl.runtime.workers import (
@@ -36,23 +37,6 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
-def _spawn_daemon(pid_file: Path) -> int:
-    """fork, setsid, fork again, the middle one exits: a sleeper in its own session."""
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        if os.fork() == 0:
-            pid_file.write_text(str(os.getpid()))
-            time.sleep(300)
-        os._exit(0)
-    os.waitpid(pid, 0)
-    for _ in range(500):
-        if pid_file.exists() and pid_file.read_text():
-            return int(pid_file.read_text())
-        time.sleep(0.01)
-    raise AssertionError("the daemon did not start")
-
-
 def handler(request):
     """The test handler: request (what, argument)."""
     what, arg = request
@@ -72,7 +56,7 @@ def handler(request):
     if what == "raise":
         raise KeyError(arg)
     if what == "daemon":
-        return _spawn_daemon(Path(arg))
+        return spawn_daemon(Path(arg))
     if what == "evil":  # a reply that would run code when unpickled by plain pickle
         return _Evil()
     if what == "unpicklable":
