@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from grouprl.config.section import Section
+from grouprl.objectives.gigpo import ADV_EPS, GAMMA, NORM, OMEGA
 
 
 class AgentConfig(Section):
@@ -23,12 +24,14 @@ class AgentConfig(Section):
         description="trajectory: episode return for every turn; turn: discounted per-turn "
         "returns; gigpo: episode + step advantages from anchor states (arXiv 2505.10978).",
     )
-    gamma: float = Field(0.95, ge=0, le=1, description="Discount for turn / step returns.")
-    omega: float = Field(1.0, ge=0, description="GiGPO weight of the step advantage.")
+    gamma: float = Field(GAMMA, ge=0, le=1, description="Discount for turn / step returns.")
+    omega: float = Field(OMEGA, ge=0, description="GiGPO weight of the step advantage.")
     norm: Literal["mean_std_norm", "mean_norm"] = Field(
-        "mean_std_norm", description="GiGPO/turn normalisation: divide by the std or not."
+        NORM, description="GiGPO/turn normalisation: divide by the std or not."
     )
-    adv_eps: float = Field(1e-6, ge=0, description="Added to the std in episode/step advantages.")
+    adv_eps: float = Field(
+        ADV_EPS, ge=0, description="Added to the std in episode/step advantages."
+    )
     keep_top_groups: float = Field(
         1.0, gt=0, le=1, description="StarPO-S: train only this fraction of groups, by reward std."
     )
