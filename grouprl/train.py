@@ -1,9 +1,12 @@
 """The training loop: one readable pass from config to a trained policy, modality-blind.
 
-Each step:  sample prompts_per_step x group_size  ->  score with the reward functions
+It knows a Workload (grouprl/workloads/: what text, agents, images ... do at each point below),
+a Policy, the objectives and the runtime, and never asks which modality it runs.
+
+Each step:  workload.collect: prompts_per_step x group_size samples, scored
             -> (dynamic sampling: drop zero-variance groups, sample more)
-            -> old / reference log-probs  ->  advantages
-            -> mu epochs x minibatches (gradient accumulation over micro-batches), AdamW
+            -> workload.prepare: old / reference log-probs, advantages
+            -> mu epochs x minibatches of workload.micro_loss (gradient accumulation over micro-batches), AdamW
             -> log, evaluate every k steps, checkpoint every k steps.
 """
 
