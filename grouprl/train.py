@@ -6,7 +6,8 @@ a Policy, the objectives and the runtime, and never asks which modality it runs.
 Each step:  workload.collect: prompts_per_step x group_size samples, scored
             -> (dynamic sampling: drop zero-variance groups, sample more)
             -> workload.prepare: old / reference log-probs, advantages
-            -> mu epochs x minibatches of workload.micro_loss (gradient accumulation over micro-batches), AdamW
+            -> mu epochs x minibatches of workload.micro_loss (gradient accumulation over
+               micro-batches), AdamW
             -> log, evaluate every k steps, checkpoint every k steps.
 """
 
