@@ -9,7 +9,7 @@ name, built in code and saved in the folder layout of the hub download (for test
 `REPLICAS` maps a name to its builder `fn(folder) -> folder`; each family's module docstring names
 the real model it copies and the settings copied (diffusion.py: image / video pipelines and the
 CLIP reward models; text.py: Qwen2.5, Qwen3, Llama 3.2, Mistral v0.3 and GPT-2 with their chat
-templates, chat_templates.py).
+templates, chat_templates.py; vision.py: the image-text-to-text families).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from pathlib import Path
 
 from grouprl.replicas.diffusion import DIFFUSION_REPLICAS
 from grouprl.replicas.text import TEXT_REPLICAS
+from grouprl.replicas.vision import VISION_REPLICAS
 
 REPLICAS: dict[str, Callable[[str | Path], Path]] = {
     **DIFFUSION_REPLICAS,
     **TEXT_REPLICAS,
+    **VISION_REPLICAS,
 }
 
 

@@ -290,9 +290,40 @@ MISTRAL = """{%- if messages[0].role == 'system' -%}
 """
 
 # family -> template (GPT-2 ships none: a base model)
+# Qwen2-VL / Qwen2.5-VL Instruct: ChatML; without a system message the default "You are a helpful
+# assistant." is inserted; a message's content is a string or a list of items, where each image
+# item (type "image", or an "image" / "image_url" key) renders as <|vision_start|><|image_pad|>
+# <|vision_end|> (the processor expands <|image_pad|> to the image's patch tokens), video items as
+# <|video_pad|>, text items as their text; add_vision_id numbers them "Picture k: ".
+QWEN2_VL = (
+    "{%- set counts = namespace(image=0, video=0) -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item -%}"
+    "{%- set counts.image = counts.image + 1 -%}"
+    "{%- if add_vision_id -%}{{ 'Picture ' + counts.image|string + ': ' }}{%- endif -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item -%}"
+    "{%- set counts.video = counts.video + 1 -%}"
+    "{%- if add_vision_id -%}{{ 'Video ' + counts.video|string + ': ' }}{%- endif -%}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item -%}{{ item['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
 TEMPLATES: dict[str, str] = {
     "qwen2.5": QWEN25,
     "qwen3": QWEN3,
     "llama3": LLAMA3,
     "mistral": MISTRAL,
+    "qwen2-vl": QWEN2_VL,
 }

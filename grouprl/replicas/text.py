@@ -39,7 +39,7 @@ import torch
 
 from grouprl.replicas.chat_templates import TEMPLATES
 
-_SEED = 0
+SEED = 0
 _VOCAB = 640  # learned BPE vocabulary (before special tokens)
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A tiny model learns to add numbers.",
@@ -107,7 +107,7 @@ def _split_byte_level(regex: str) -> Any:
 
 # Qwen's added tokens in id order after the vocabulary (special=False ones are ordinary text
 # markers the model writes: tool calls, fill-in-the-middle, and Qwen3's think / tool_response).
-_QWEN25_ADDED = [
+QWEN25_ADDED = [
     ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
     ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
     ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
@@ -117,12 +117,12 @@ _QWEN25_ADDED = [
     ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False),
     ("<|file_sep|>", False),
 ]  # fmt: skip
-_QWEN3_ADDED = _QWEN25_ADDED + [
+_QWEN3_ADDED = QWEN25_ADDED + [
     ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
 ]  # fmt: skip
 
 
-def _qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
+def qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
     from tokenizers import AddedToken, normalizers
     from transformers import Qwen2Tokenizer
 
@@ -254,7 +254,7 @@ def _gpt2_tokenizer() -> Any:
 
 # --------------------------------------------------------------------------- models
 # head_dim 32: the smallest vLLM's CPU attention takes; grouped-query attention (2 heads, 1 KV)
-_TINY = dict(
+TINY_DECODER = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -263,7 +263,7 @@ _TINY = dict(
 )
 
 
-def _write_vocab_files(out: Path, vocab: dict, merges: list[tuple[str, str]]) -> None:
+def write_vocab_files(out: Path, vocab: dict, merges: list[tuple[str, str]]) -> None:
     """vocab.json / merges.txt as the families that ship them do (GPT-2, Qwen)."""
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (out / "merges.txt").write_text(
@@ -271,7 +271,7 @@ def _write_vocab_files(out: Path, vocab: dict, merges: list[tuple[str, str]]) ->
     )
 
 
-def _save(
+def save_replica(
     model: Any,
     tok: Any,
     gen: dict,
@@ -305,7 +305,7 @@ def _save(
 
 
 def _init(model: Any) -> Any:
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model.apply(model._init_weights)
     return model
 
@@ -315,22 +315,22 @@ def build_qwen25(out: Path | str) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out)
-    tok, vocab, merges = _qwen_tokenizer(_QWEN25_ADDED, TEMPLATES["qwen2.5"])
+    tok, vocab, merges = qwen_tokenizer(QWEN25_ADDED, TEMPLATES["qwen2.5"])
     eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
     cfg = Qwen2Config(
         vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
         rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
         sliding_window=32768, max_window_layers=2, attention_dropout=0.0, bos_token_id=eot,
-        eos_token_id=eos, dtype="bfloat16", **_TINY,
+        eos_token_id=eos, dtype="bfloat16", **TINY_DECODER,
     )  # fmt: skip
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(cfg)
     gen = dict(
         bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
         temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
     )  # fmt: skip
-    _save(model, tok, gen, out, torch.bfloat16)
-    _write_vocab_files(out, vocab, merges)
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
     return out
 
 
@@ -339,22 +339,22 @@ def build_qwen3(out: Path | str) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
-    tok, vocab, merges = _qwen_tokenizer(_QWEN3_ADDED, TEMPLATES["qwen3"])
+    tok, vocab, merges = qwen_tokenizer(_QWEN3_ADDED, TEMPLATES["qwen3"])
     eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
     cfg = Qwen3Config(
         vocab_size=len(tok), max_position_embeddings=40960, rope_theta=1000000.0,
         rms_norm_eps=1e-6, head_dim=32, hidden_act="silu", tie_word_embeddings=True,
         use_sliding_window=False, max_window_layers=2, attention_bias=False,
-        attention_dropout=0.0, bos_token_id=eot, eos_token_id=eos, dtype="bfloat16", **_TINY,
+        attention_dropout=0.0, bos_token_id=eot, eos_token_id=eos, dtype="bfloat16", **TINY_DECODER,
     )  # fmt: skip
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = Qwen3ForCausalLM(cfg)
     gen = dict(
         bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
         temperature=0.6, top_p=0.95, top_k=20,
     )  # fmt: skip
-    _save(model, tok, gen, out, torch.bfloat16)
-    _write_vocab_files(out, vocab, merges)
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
     return out
 
 
@@ -374,15 +374,15 @@ def build_llama3(out: Path | str) -> Path:
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
-        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, dtype="bfloat16", **_TINY,
+        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, dtype="bfloat16", **TINY_DECODER,
     )  # fmt: skip
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = LlamaForCausalLM(cfg)
     gen = dict(
         bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, do_sample=True,
         temperature=0.6, top_p=0.9,
     )  # fmt: skip
-    return _save(model, tok, gen, out, torch.bfloat16, "PreTrainedTokenizerFast")
+    return save_replica(model, tok, gen, out, torch.bfloat16, "PreTrainedTokenizerFast")
 
 
 def build_mistral(out: Path | str) -> Path:
@@ -394,11 +394,11 @@ def build_mistral(out: Path | str) -> Path:
     cfg = MistralConfig(
         vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
         rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None, tie_word_embeddings=False,
-        head_dim=32, bos_token_id=1, eos_token_id=2, dtype="bfloat16", **_TINY,
+        head_dim=32, bos_token_id=1, eos_token_id=2, dtype="bfloat16", **TINY_DECODER,
     )  # fmt: skip
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = MistralForCausalLM(cfg)
-    return _save(model, tok, dict(bos_token_id=1, eos_token_id=2), out, torch.bfloat16)
+    return save_replica(model, tok, dict(bos_token_id=1, eos_token_id=2), out, torch.bfloat16)
 
 
 def build_gpt2(out: Path | str) -> Path:
@@ -414,10 +414,10 @@ def build_gpt2(out: Path | str) -> Path:
         layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=eot, eos_token_id=eot,
         dtype="float32",
     )  # fmt: skip
-    torch.manual_seed(_SEED)
+    torch.manual_seed(SEED)
     model = GPT2LMHeadModel(cfg)
-    _save(model, tok, dict(bos_token_id=eot, eos_token_id=eot), out, torch.float32)
-    _write_vocab_files(out, vocab, merges)
+    save_replica(model, tok, dict(bos_token_id=eot, eos_token_id=eot), out, torch.float32)
+    write_vocab_files(out, vocab, merges)
     return out
 
 

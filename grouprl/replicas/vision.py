@@ -1,0 +1,119 @@
+"""Tiny random-weight replicas of the vision-language (image-text-to-text) families.
+
+Each builder writes, in code and with no download, a folder laid out as the hub download of the
+real Instruct model: config.json (the real architecture class, the vision tower's settings, the
+image / vision token ids, mrope), generation_config.json, model.safetensors, the tokenizer files of
+the text replica of the same family (replicas/text.py: the family's tokenizer class, its special
+tokens in the real order), preprocessor_config.json (the real image processor and its settings)
+and chat_template.json (the processor's chat template, as these hub folders ship it; the same
+template is in tokenizer_config.json). Only sizes are shrunk: a 2-layer vision tower of width 64
+and the text replicas' 2-layer decoder of width 64.
+
+  qwen2-vl  Qwen2VLForConditionalGeneration as Qwen2-VL-2B-Instruct: patch 14, temporal patch 2,
+            2x2 spatial merge, mrope with the real section proportions (16:24:24 of the rotary
+            half, here 4:6:6 of head_dim 32 / 2), tied embeddings, Qwen2VLImageProcessor with the
+            real min / max pixels and CLIP mean / std, ChatML with <|vision_start|><|image_pad|>
+            <|vision_end|> for each image item (chat_templates.QWEN2_VL).
+
+Deviations (all of size, none of kind): tiny vocabulary and widths; no video processor config
+(Qwen2VLVideoProcessor needs torchvision, which this project cannot install beside its torch;
+the image path is unchanged, and video inputs are not used by grouprl).
+
+`VISION_REPLICAS` maps each family to its builder `fn(out_dir) -> out_dir` (replicas/__init__.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from grouprl.replicas.chat_templates import QWEN2_VL
+from grouprl.replicas.text import (
+    QWEN25_ADDED,
+    SEED,
+    TINY_DECODER,
+    qwen_tokenizer,
+    save_replica,
+    write_vocab_files,
+)
+
+# Qwen2-VL's tokenizer has Qwen2.5's added tokens up to <|video_pad|> (the tool-call and
+# fill-in-the-middle markers came with Qwen2.5)
+QWEN2_VL_ADDED = QWEN25_ADDED[: [t for t, _ in QWEN25_ADDED].index("<|video_pad|>") + 1]
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _write_processor_files(out: Path, image_processor: dict, template: str) -> None:
+    """preprocessor_config.json and chat_template.json as the hub folders of these models have
+    them; the template also stays in tokenizer_config.json (the tokenizer's own)."""
+    (out / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+
+
+def build_qwen2_vl(out: Path | str) -> Path:
+    """Qwen2-VL-2B-Instruct (Qwen2VLForConditionalGeneration, ChatML with image items)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    out = Path(out)
+    tok, vocab, merges = qwen_tokenizer(QWEN2_VL_ADDED, QWEN2_VL)
+    ids = {t: tok.convert_tokens_to_ids(t) for t, _ in QWEN2_VL_ADDED}
+    eot, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
+    head_dim = TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]  # 32
+    text = dict(
+        vocab_size=len(tok), max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
+        use_sliding_window=False, sliding_window=32768, max_window_layers=2, attention_dropout=0.0,
+        bos_token_id=eot, eos_token_id=eos, tie_word_embeddings=True,
+        # mrope: temporal / height / width sections of the rotary half (real 16, 24, 24 of 64)
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
+        **TINY_DECODER,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=64, hidden_size=TINY_DECODER["hidden_size"], hidden_act="quick_gelu",
+        mlp_ratio=2, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=eot, eos_token_id=eos,
+        tie_word_embeddings=True, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    gen = dict(
+        bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
+        temperature=0.01, top_p=0.001, top_k=1,
+    )  # fmt: skip  # Qwen2-VL-2B-Instruct's generation_config
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
+    _write_processor_files(
+        out,
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "min_pixels": 56 * 56,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+        },  # fmt: skip
+        QWEN2_VL,
+    )
+    return out
+
+
+VISION_REPLICAS: dict[str, Callable[[Path | str], Path]] = {
+    "qwen2-vl": build_qwen2_vl,
+}

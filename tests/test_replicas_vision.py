@@ -1,0 +1,83 @@
+"""The vision-language replicas load with the classes their users load them with (transformers'
+AutoModelForImageTextToText, AutoTokenizer, AutoImageProcessor), in their own dtype, and render
+images through the family's chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from grouprl.replicas import build_replica
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return build_replica("qwen2-vl", tmp_path_factory.mktemp("qwen2-vl"))
+
+
+def test_qwen2_vl_layout_and_classes(qwen2_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = json.loads((qwen2_vl / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert config["model_type"] == "qwen2_vl"
+    pre = json.loads((qwen2_vl / "preprocessor_config.json").read_text())
+    assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (14, 2, 2)
+    assert pre["min_pixels"] == 3136 and pre["max_pixels"] == 12845056
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert model.dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(qwen2_vl)
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    assert tok.eos_token == "<|im_end|>"
+    # ids in Qwen's order: <|endoftext|> first after the vocabulary, <|video_pad|> 13 later
+    assert (
+        tok.convert_tokens_to_ids("<|video_pad|>") - tok.convert_tokens_to_ids("<|endoftext|>")
+        == 13
+    )
+    image_processor = AutoImageProcessor.from_pretrained(qwen2_vl)
+    assert "Qwen2VLImageProcessor" in type(image_processor).__name__
+
+
+def test_qwen2_vl_template_renders_image_items(qwen2_vl):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_vl)
+    image = Image.new("RGB", (56, 56))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": "What colour?"}]}]  # fmt: skip
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>What colour?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                        {"type": "text", "text": "Q"}]}]  # fmt: skip
+    assert "Picture 2: <|vision_start|>" in tok.apply_chat_template(
+        two, tokenize=False, add_vision_id=True
+    )
+
+
+def test_qwen2_vl_generates_from_an_image(qwen2_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl)
+    tok, proc = (
+        AutoTokenizer.from_pretrained(qwen2_vl),
+        AutoImageProcessor.from_pretrained(qwen2_vl),
+    )
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    vision = proc(images=[image], return_tensors="pt")
+    assert vision["image_grid_thw"].tolist() == [[1, 4, 4]]  # 56 px / 14 = 4 patches a side
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * 4)  # 16 patches / 2x2 merge
+    ids = tok(text, return_tensors="pt")
+    out = model.generate(**ids, **vision, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids["input_ids"].shape[1] + 3)
