@@ -54,15 +54,21 @@ def _write_processor_files(out: Path, image_processor: dict, template: str) -> N
     (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
 
 
-def build_qwen2_vl(out: Path | str) -> Path:
-    """Qwen2-VL-2B-Instruct (Qwen2VLForConditionalGeneration, ChatML with image items)."""
+def build_qwen2_vl(
+    out: Path | str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None
+) -> Path:
+    """Qwen2-VL-2B-Instruct (Qwen2VLForConditionalGeneration, ChatML with image items).
+    text_sizes / vision_sizes: other widths and depths for the text decoder / vision tower (the
+    VLM demo's model is this replica, grown), e.g. {"hidden_size": 128, "num_hidden_layers": 4};
+    the vision tower's output width follows the decoder's."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     out = Path(out)
     tok, vocab, merges = qwen_tokenizer(QWEN2_VL_ADDED, QWEN2_VL)
     ids = {t: tok.convert_tokens_to_ids(t) for t, _ in QWEN2_VL_ADDED}
     eot, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
-    head_dim = TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]  # 32
+    sizes = {**TINY_DECODER, **(text_sizes or {})}
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]  # 32 in the replica
     text = dict(
         vocab_size=len(tok), max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
         use_sliding_window=False, sliding_window=32768, max_window_layers=2, attention_dropout=0.0,
@@ -70,12 +76,12 @@ def build_qwen2_vl(out: Path | str) -> Path:
         # mrope: temporal / height / width sections of the rotary half (real 16, 24, 24 of 64)
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                          "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
-        **TINY_DECODER,
+        **sizes,
     )  # fmt: skip
     vision = dict(
-        depth=2, embed_dim=64, hidden_size=TINY_DECODER["hidden_size"], hidden_act="quick_gelu",
-        mlp_ratio=2, num_heads=2, in_channels=3, patch_size=14, spatial_merge_size=2,
-        temporal_patch_size=2,
+        depth=2, embed_dim=64, hidden_act="quick_gelu", mlp_ratio=2, num_heads=2, in_channels=3,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, **(vision_sizes or {}),
+        hidden_size=sizes["hidden_size"],
     )  # fmt: skip
     cfg = Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
