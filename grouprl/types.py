@@ -41,6 +41,11 @@ class TokenBatch:
     completion_ids:  Long[N, T]   right padded; T = longest completion in the batch
     completion_mask: Bool[N, T]   True on generated tokens (EOS included, padding excluded)
     truncated:       Bool[N]      True where generation hit max_new_tokens without stopping
+    vision:          None for text; for a vision-language policy one dict per row of the vision
+                     inputs of that row's prompt images (e.g. pixel_values, image_grid_thw), the
+                     model's own tensors, concatenated along dim 0 over rows when batched. The G
+                     rows of a group hold the SAME dict object, which is how scoring finds the
+                     rows whose prompt and images it encodes once (policies/vision/).
     """
 
     prompt_ids: Tensor
@@ -48,6 +53,7 @@ class TokenBatch:
     completion_ids: Tensor
     completion_mask: Tensor
     truncated: Tensor
+    vision: list[dict[str, Tensor]] | None = None
 
     @property
     def lengths(self) -> Tensor:  # Long[N]
@@ -70,7 +76,17 @@ class TokenBatch:
             completion_ids=torch.cat([pad(b.completion_ids, s) for b, s in zip(parts, right)]),
             completion_mask=torch.cat([pad(b.completion_mask, s) for b, s in zip(parts, right)]),
             truncated=torch.cat([b.truncated for b in parts]),  # [N]
+            vision=_cat_vision([b.vision for b in parts]),
         )
+
+
+def _cat_vision(parts: list[list[dict[str, Tensor]] | None]) -> list[dict[str, Tensor]] | None:
+    """The rows' vision dicts of batches joined along N: all text (None) or all vision."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("TokenBatch.cat: batches with and without vision inputs")
+    return [row for p in parts for row in p]
 
 
 @dataclass

@@ -16,6 +16,11 @@ IMAGE_MODELS = ("flow", "unet")
 def check_workload(cfg: Config) -> None:
     """The built-in workloads agree with the model and task they are given."""
     name, model_type = cfg.workload.type, cfg.model.type
+    if (name == "vlm") != (model_type == "vlm"):
+        raise ValueError(
+            f"workload {name!r} with model.type={model_type!r}: a vision-language model "
+            "(model.type vlm) runs with workload: {type: vlm}, and workload vlm needs one"
+        )
     if name in ("text", "agent") and model_type in IMAGE_MODELS:
         raise ValueError(
             f"workload {name!r} samples text, but model.type={model_type!r} is an image / video "
@@ -31,7 +36,7 @@ def check_workload(cfg: Config) -> None:
             f"workload 'agent' runs multi-turn episodes from task.name 'env', got "
             f"{cfg.task.name!r}; single completions run with workload: {{type: text}}"
         )
-    if name in ("text", "images") and cfg.task.name == "env":
+    if name in ("text", "images", "vlm") and cfg.task.name == "env":
         raise ValueError(
             f"task.name 'env' gives multi-turn episodes; it runs with workload: {{type: agent}}, "
             f"not {name!r}"

@@ -149,13 +149,15 @@ def migrate_diffusion(section: Any) -> Any:
 
 def infer_workload(raw: dict) -> str:
     """The workload older configs meant: task.name env -> agent, model.type flow / unet ->
-    images, else text."""
+    images, model.type vlm -> vlm, else text."""
     task = raw.get("task") if isinstance(raw.get("task"), dict) else {}
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     if task.get("name") == "env":
         return "agent"
     if model.get("type") in ("flow", "unet"):
         return "images"
+    if model.get("type") == "vlm":
+        return "vlm"
     return "text"
 
 

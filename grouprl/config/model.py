@@ -1,6 +1,7 @@
-"""The `model:` section, typed by `model.type`: a language model (causal_lm) or an image / video
-policy (flow, unet). Each type carries only its own fields; a field of the other type is an error
-naming the allowed ones (a text config setting `negative_prompt` fails).
+"""The `model:` section, typed by `model.type`: a language model (causal_lm), a vision-language
+model (vlm: image-text-to-text) or an image / video policy (flow, unet). Each type carries only
+its own fields; a field of another type is an error naming the allowed ones (a text config
+setting `negative_prompt` fails).
 """
 
 from __future__ import annotations
@@ -69,6 +70,33 @@ class TextModelConfig(Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
 
 
+class VisionModelConfig(Section):
+    """A vision-language model (transformers image-text-to-text: Qwen2-VL / Qwen2.5-VL, LLaVA,
+    ...), workload vlm: images in the prompt, text out."""
+
+    type: Literal["vlm"] = Field(
+        "vlm", description="An image-text-to-text model (AutoModelForImageTextToText)."
+    )
+    name_or_path: NameOrPath
+    dtype: Dtype = "float32"
+    lora: LoRA = None
+    vision_tower: Literal["frozen", "trainable"] = Field(
+        "frozen",
+        description="The vision encoder (and its projector): frozen (no gradient, no optimizer "
+        "state) or trainable (full weights; LoRA adapters go to the language model only).",
+    )
+    gradient_checkpointing: GradientCheckpointing = False
+    logprob_chunk_size: int | None = Field(
+        None, ge=1, description="Rows per LM-head chunk when scoring (None: policy default)."
+    )
+    logprob_path: Literal["fast", "plain"] = Field(
+        "fast",
+        description="Scoring: fast (each group's prompt and images once, the completions on the "
+        "expanded cache) or plain (one [prompt | completion] pass per row); same numbers.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+
+
 class ImageModelConfig(Section):
     """An image / video policy (grouprl/workloads/images/policy.py), workload images."""
 
@@ -108,5 +136,7 @@ class ImageModelConfig(Section):
     )
 
 
-ModelConfig = Annotated[TextModelConfig | ImageModelConfig, Field(discriminator="type")]
+ModelConfig = Annotated[
+    TextModelConfig | VisionModelConfig | ImageModelConfig, Field(discriminator="type")
+]
 DEFAULT_MODEL_TYPE = "causal_lm"  # a model mapping without `type`

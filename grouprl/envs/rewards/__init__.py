@@ -43,6 +43,16 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
 }
 
 
+def register_reward(name: str, factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+    """Add a built-in reward factory under `name` (taken once): for rewards built on modules
+    envs/ may not import, e.g. vlm_judge on the VLM policy class (grouprl/policies/vision/judge.py,
+    registered when grouprl.workloads is imported)."""
+    if name in REWARDS and REWARDS[name] is not factory:
+        raise ValueError(f"reward {name!r} is registered already ({REWARDS[name].__module__})")
+    REWARDS[name] = factory
+    return factory
+
+
 def build_reward(name: str, **options: Any) -> RewardFn:
     """A built-in reward by registry name, or a user function given as "module:function"."""
     if name in REWARDS:
@@ -70,6 +80,7 @@ __all__ = [
     "jpeg_incompressibility",
     "pickscore",
     "build_reward",
+    "register_reward",
     "code_reward",
     "format_reward",
     "length_reward",

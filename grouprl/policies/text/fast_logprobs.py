@@ -111,12 +111,33 @@ def fast_completion_logprobs(
     chunk_size: rows per LM-head chunk as in the plain path, i.e. chunk_size * T tokens per fused
     chunk (None: fused_head.CHUNK_ELEMENTS sizing).
     """
-    from grouprl.policies.text.logprobs import chunked_head_logprobs  # logprobs imports this module
-
     P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     if P < 1 or T < 1:
         raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
     hidden = completion_hidden(model, batch)  # [N, T, H]
+    return head_logprobs(
+        model, hidden, batch, temperature=temperature, chunk_size=chunk_size,
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )  # fmt: skip
+
+
+def head_logprobs(
+    model: Any,
+    hidden: Tensor,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The LM head on the states that predict the completion tokens, hidden [N, T, H] -> logp
+    [N, T] and entropy [N, T] | None, masked slots 0: the real tokens only through the fused head
+    (a plain nn.Linear head), else the chunked autograd head. Also the vision-language path's
+    head (policies/vision/logprobs.py)."""
+    from grouprl.policies.text.logprobs import chunked_head_logprobs  # logprobs imports this module
+
+    T = batch.completion_ids.shape[1]
     cmask = batch.completion_mask.to(hidden.device)  # [N, T]
     ids = batch.completion_ids.to(hidden.device)  # [N, T]
     head = model.get_output_embeddings()

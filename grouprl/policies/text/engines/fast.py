@@ -150,7 +150,7 @@ class FastEngine(InProcessEngine):
     ) -> GenerationOutput:
         device = next(self._hf_model.parameters()).device
         uniq, counts = _runs(prompts)
-        B, P, N, T = len(uniq), max(len(p) for p in uniq), len(prompts), params.max_new_tokens
+        B, P, T = len(uniq), max(len(p) for p in uniq), params.max_new_tokens
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left padded
         mask = torch.zeros((B, P), dtype=torch.long)  # [B, P]
         for i, p in enumerate(uniq):
@@ -164,43 +164,63 @@ class FastEngine(InProcessEngine):
         )  # [N]
         decoder.select(rows)  # the shared prompt's K/V, G copies
         logits = logits[rows]  # [N, V]
+        return decode(decoder, logits, params, greedy, seeds, self.eos_ids, self.pad_id,
+                      self.tokenizer)  # fmt: skip
 
-        warpers = _warpers(params, greedy)
-        gens = None if seeds is None else [torch.Generator().manual_seed(int(s)) for s in seeds]
-        eos = torch.tensor(self.eos_ids, device=device)
-        tokens = torch.full((N, T), self.pad_id, dtype=torch.long)  # [N, T]
-        logps = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
-        length = torch.full((N,), T, dtype=torch.long)  # [N]
-        stopped = torch.zeros(N, dtype=torch.bool)  # [N]
-        active = torch.arange(N)  # [n] original rows still generating
-        for t in range(T):
-            scores = logits.float()  # [n, V]
-            for warp in warpers:
-                scores = warp(None, scores)  # [n, V]
-            logp = torch.log_softmax(scores, dim=-1)  # [n, V]
-            tok = scores.argmax(-1) if greedy else sample_tokens(logp, _uniforms(active, gens))
-            tokens[active, t] = tok.cpu()
-            logps[active, t] = logp.gather(-1, tok[:, None])[:, 0].cpu()
-            done = torch.isin(tok, eos).cpu()  # [n]
-            if params.stop:
-                done |= self._hit_stop(tokens, active, t, params.stop)
-            length[active[done]] = t + 1
-            stopped[active[done]] = True
-            keep = ~done  # [n]
-            if t == T - 1 or not keep.any():
-                break
-            if not keep.all():  # drop finished rows from the batch and the cache
-                idx = keep.nonzero()[:, 0].to(device)  # [n']
-                decoder.select(idx)
-                active, tok = active[keep], tok[idx]
-            logits = decoder.step(tok)  # [n, V]
-        return GenerationOutput(
-            completion_ids=[tokens[i, : length[i]].tolist() for i in range(N)],
-            logprobs=[logps[i, : length[i]].tolist() for i in range(N)],
-            truncated=(~stopped).tolist(),
-        )
 
-    def _hit_stop(self, tokens: Tensor, active: Tensor, t: int, stops: list[str]) -> Tensor:
-        """[n] bool: the text generated so far contains a stop string (first time: at token t)."""
-        texts = self.tokenizer.batch_decode(tokens[active, : t + 1].tolist())
-        return torch.tensor([any(s in text for s in stops) for text in texts], dtype=torch.bool)
+def decode(
+    decoder: Any,
+    logits: Tensor,
+    params: SamplingParams,
+    greedy: bool,
+    seeds: list[int] | None,
+    eos_ids: list[int],
+    pad_id: int,
+    tokenizer: Any,
+) -> GenerationOutput:
+    """The decode loop after the prefill: logits [N, V] of every row's first new token (the
+    decoder's rows already expanded to one per completion), then one decoder step per token until
+    every row stopped or max_new_tokens ran out. Shared by this engine and the vision-language one
+    (policies/vision/engines/fast.py), whose decoders differ only in how they prefill."""
+    device = logits.device
+    N, T = logits.shape[0], params.max_new_tokens
+    warpers = _warpers(params, greedy)
+    gens = None if seeds is None else [torch.Generator().manual_seed(int(s)) for s in seeds]
+    eos = torch.tensor(eos_ids, device=device)
+    tokens = torch.full((N, T), pad_id, dtype=torch.long)  # [N, T]
+    logps = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
+    length = torch.full((N,), T, dtype=torch.long)  # [N]
+    stopped = torch.zeros(N, dtype=torch.bool)  # [N]
+    active = torch.arange(N)  # [n] original rows still generating
+    for t in range(T):
+        scores = logits.float()  # [n, V]
+        for warp in warpers:
+            scores = warp(None, scores)  # [n, V]
+        logp = torch.log_softmax(scores, dim=-1)  # [n, V]
+        tok = scores.argmax(-1) if greedy else sample_tokens(logp, _uniforms(active, gens))
+        tokens[active, t] = tok.cpu()
+        logps[active, t] = logp.gather(-1, tok[:, None])[:, 0].cpu()
+        done = torch.isin(tok, eos).cpu()  # [n]
+        if params.stop:
+            done |= _hit_stop(tokenizer, tokens, active, t, params.stop)
+        length[active[done]] = t + 1
+        stopped[active[done]] = True
+        keep = ~done  # [n]
+        if t == T - 1 or not keep.any():
+            break
+        if not keep.all():  # drop finished rows from the batch and the cache
+            idx = keep.nonzero()[:, 0].to(device)  # [n']
+            decoder.select(idx)
+            active, tok = active[keep], tok[idx]
+        logits = decoder.step(tok)  # [n, V]
+    return GenerationOutput(
+        completion_ids=[tokens[i, : length[i]].tolist() for i in range(N)],
+        logprobs=[logps[i, : length[i]].tolist() for i in range(N)],
+        truncated=(~stopped).tolist(),
+    )
+
+
+def _hit_stop(tokenizer: Any, tokens: Tensor, active: Tensor, t: int, stops: list[str]) -> Tensor:
+    """[n] bool: the text generated so far contains a stop string (first time: at token t)."""
+    texts = tokenizer.batch_decode(tokens[active, : t + 1].tolist())
+    return torch.tensor([any(s in text for s in stops) for text in texts], dtype=torch.bool)

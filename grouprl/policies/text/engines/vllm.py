@@ -123,6 +123,12 @@ class VLLMEngine:
         """Restart the request-seed stream (a shared engine handed to a new run)."""
         self._rng = random.Random(seed)
 
+    def request_seeds(self, n: int) -> list[int]:
+        """Seeds for n completions without caller seeds: base, base + 1, ... from the engine's
+        own stream (so a run of identical prompts is one request)."""
+        base = self._rng.randrange(SEED_RANGE)
+        return [base + i for i in range(n)]
+
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Any) -> None:
@@ -166,13 +172,26 @@ class VLLMEngine:
         if not prompt_token_ids:
             return GenerationOutput([], [], [])
         if seeds is None:
-            base = self._rng.randrange(SEED_RANGE)
-            seeds = [base + i for i in range(len(prompt_token_ids))]
+            seeds = self.request_seeds(len(prompt_token_ids))
         runs = list(prompt_runs(prompt_token_ids, seeds))
+        prompts = [{"prompt_token_ids": list(prompt_token_ids[s])} for s, _ in runs]
+        return self.generate_requests(prompts, runs, seeds, params, greedy)
+
+    def generate_requests(
+        self,
+        prompts: list[dict],
+        runs: list[tuple[int, int]],
+        seeds: list[int],
+        params: SamplingParams,
+        greedy: bool,
+    ) -> GenerationOutput:
+        """vLLM prompts (one dict per run: token ids, and multimodal data for a VLM, see
+        policies/vision/engines/vllm.py) -> one completion per row; runs: (first row, rows) of
+        each prompt, seeds: one per row (a run's count up by one)."""
         if greedy:  # vLLM allows n = 1 only when greedy; prefix caching still shares the prompt
+            prompts = [p for p, (_, count) in zip(prompts, runs) for _ in range(count)]
             runs = [(start + i, 1) for start, count in runs for i in range(count)]
         requests = [self._request_params(params, n, seeds[s], greedy) for s, n in runs]
-        prompts = [{"prompt_token_ids": list(prompt_token_ids[s])} for s, _ in runs]
         self._wake()
         results = self.llm.generate(prompts, requests, use_tqdm=False)
         out = GenerationOutput([], [], [])

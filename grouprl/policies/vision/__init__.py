@@ -1,0 +1,1 @@
+"""Vision-language (image-text-to-text) policies: processing, forward, engines, log-probs."""
