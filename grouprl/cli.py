@@ -98,6 +98,7 @@ def registry_listing(kind: str) -> list[tuple[str, str]]:
 
         return [(name, " ".join(p.summary.split())) for name, p in PRESETS.items()]
     if kind == "rewards":
+        import grouprl.workloads  # noqa: F401  (registers the rewards built on policies: vlm_judge)
         from grouprl.envs.rewards import REWARDS
 
         return [(name, summary_line(fn)) for name, fn in REWARDS.items()]

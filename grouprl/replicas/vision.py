@@ -78,11 +78,12 @@ def build_qwen2_vl(
                          "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
         **sizes,
     )  # fmt: skip
-    vision = dict(
-        depth=2, embed_dim=64, hidden_act="quick_gelu", mlp_ratio=2, num_heads=2, in_channels=3,
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, **(vision_sizes or {}),
-        hidden_size=sizes["hidden_size"],
-    )  # fmt: skip
+    vision = {
+        **dict(depth=2, embed_dim=64, hidden_act="quick_gelu", mlp_ratio=2, num_heads=2,
+               in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        **(vision_sizes or {}),
+        "hidden_size": sizes["hidden_size"],
+    }  # fmt: skip
     cfg = Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],

@@ -19,6 +19,8 @@ from grouprl.envs.tasks.env_seeds import build_env_task
 from grouprl.envs.tasks.images import build_image_prompts
 from grouprl.envs.tasks.math import build_math
 from grouprl.envs.tasks.prompts import build_prompts
+from grouprl.envs.tasks.visual_shapes import build_visual_shapes
+from grouprl.envs.tasks.vqa import build_vqa
 
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": build_arithmetic,
@@ -28,6 +30,8 @@ TASKS: dict[str, Callable[..., TaskData]] = {
     "image_prompts": build_image_prompts,
     "code": build_code,
     "prompts": build_prompts,  # prompt-only datasets for model-based / user rewards
+    "visual_shapes": build_visual_shapes,  # questions about rendered shapes (images in prompts)
+    "vqa": build_vqa,  # visual question answering from datasets with image columns
 }
 
 
