@@ -81,3 +81,60 @@ def test_qwen2_vl_generates_from_an_image(qwen2_vl):
     ids = tok(text, return_tensors="pt")
     out = model.generate(**ids, **vision, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, ids["input_ids"].shape[1] + 3)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return build_replica("qwen2.5-vl", tmp_path_factory.mktemp("qwen2.5-vl"))
+
+
+def test_qwen2_5_vl_layout_and_vision_tower(qwen2_5_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = json.loads((qwen2_5_vl / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["model_type"] == "qwen2_5_vl"
+    vision = config["vision_config"]
+    # the Qwen2.5-VL tower's own keys (Qwen2-VL's has embed_dim / mlp_ratio instead)
+    for key in ("fullatt_block_indexes", "window_size", "out_hidden_size", "tokens_per_second",
+                "intermediate_size", "hidden_act"):  # fmt: skip
+        assert key in vision, key
+    assert "embed_dim" not in vision and "mlp_ratio" not in vision
+    assert vision["hidden_act"] == "silu" and vision["window_size"] == 112
+    assert vision["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]
+    gen = json.loads((qwen2_5_vl / "generation_config.json").read_text())
+    assert (gen["temperature"], gen["repetition_penalty"], gen["top_k"]) == (0.1, 1.05, 1)
+    pre = json.loads((qwen2_5_vl / "preprocessor_config.json").read_text())
+    assert pre["processor_class"] == "Qwen2_5_VLProcessor"
+    assert (pre["min_pixels"], pre["max_pixels"], pre["patch_size"]) == (3136, 12845056, 14)
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_5_vl)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert model.dtype == torch.bfloat16
+    blocks = model.model.visual.blocks
+    assert "RMSNorm" in type(blocks[0].norm1).__name__  # Qwen2-VL: LayerNorm
+    assert hasattr(blocks[0].mlp, "gate_proj")  # SwiGLU
+    tok = AutoTokenizer.from_pretrained(qwen2_5_vl)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    assert "Qwen2VLImageProcessor" in type(AutoImageProcessor.from_pretrained(qwen2_5_vl)).__name__
+
+
+def test_qwen2_5_vl_template_and_generate(qwen2_5_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_5_vl)
+    msgs = [{"role": "system", "content": "Solve it."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}]  # fmt: skip
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>x?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    proc = AutoImageProcessor.from_pretrained(qwen2_5_vl)
+    vision = proc(images=[Image.new("RGB", (112, 56), (10, 200, 30))], return_tensors="pt")
+    assert vision["image_grid_thw"].tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * 8)  # 32 patches / 2x2 merge
+    ids = tok(text, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_5_vl)
+    out = model.generate(**ids, **vision, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids["input_ids"].shape[1] + 3)

@@ -15,6 +15,13 @@ and the text replicas' 2-layer decoder of width 64.
             real min / max pixels and CLIP mean / std, ChatML with <|vision_start|><|image_pad|>
             <|vision_end|> for each image item (chat_templates.QWEN2_VL).
 
+  qwen2.5-vl  Qwen2_5_VLForConditionalGeneration as Qwen2.5-VL-3B-Instruct: the same tokenizer,
+            image processor settings and chat template as qwen2-vl (the hub folder's
+            chat_template.json is Qwen2-VL's), a vision tower with window attention (112 px
+            windows, full attention in the last block, as in the last of every 8 of the real
+            32), RMSNorm and a SwiGLU MLP, out_hidden_size = the decoder width, generation
+            config with temperature 0.1 and repetition penalty 1.05.
+
 Deviations (all of size, none of kind): tiny vocabulary and widths; no video processor config
 (Qwen2VLVideoProcessor needs torchvision, which this project cannot install beside its torch;
 the image path is unchanged, and video inputs are not used by grouprl).
@@ -120,6 +127,74 @@ def build_qwen2_vl(
     return out
 
 
+def build_qwen2_5_vl(
+    out: Path | str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None
+) -> Path:
+    """Qwen2.5-VL-3B-Instruct (Qwen2_5_VLForConditionalGeneration): the Qwen2-VL layout with the
+    Qwen2.5-VL vision tower (window attention with full attention in the last block of each group,
+    RMSNorm, SwiGLU MLP, its own output width `out_hidden_size` = the decoder's width)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out)
+    tok, vocab, merges = qwen_tokenizer(QWEN2_VL_ADDED, QWEN2_VL)
+    ids = {t: tok.convert_tokens_to_ids(t) for t, _ in QWEN2_VL_ADDED}
+    eot, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
+    sizes = {**TINY_DECODER, **(text_sizes or {})}
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]  # 32 in the replica
+    text = dict(
+        vocab_size=len(tok), max_position_embeddings=128000, rms_norm_eps=1e-6, hidden_act="silu",
+        use_sliding_window=False, sliding_window=32768, max_window_layers=2, attention_dropout=0.0,
+        bos_token_id=eot, eos_token_id=eos, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
+        **sizes,
+    )  # fmt: skip
+    # real: depth 32, width 1280, SwiGLU 3420, 16 heads, full attention in blocks 7, 15, 23, 31
+    # (the last of each 8), window 112 px = 4x4 merged patches
+    vision = dict(
+        depth=2, hidden_size=64, intermediate_size=172, num_heads=2, hidden_act="silu",
+        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        tokens_per_second=2, window_size=112, fullatt_block_indexes=[1], **(vision_sizes or {}),
+        out_hidden_size=sizes["hidden_size"],
+    )  # fmt: skip
+    cfg = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=eot, eos_token_id=eos,
+        tie_word_embeddings=True, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    gen = dict(
+        bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
+        temperature=0.1, top_p=0.001, top_k=1, repetition_penalty=1.05,
+    )  # fmt: skip  # Qwen2.5-VL-3B-Instruct's generation_config
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
+    _write_processor_files(
+        out,
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor",
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "min_pixels": 56 * 56,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+        },  # fmt: skip
+        QWEN2_VL,
+    )
+    return out
+
+
 VISION_REPLICAS: dict[str, Callable[[Path | str], Path]] = {
     "qwen2-vl": build_qwen2_vl,
+    "qwen2.5-vl": build_qwen2_5_vl,
 }
