@@ -81,3 +81,135 @@ def test_qwen2_vl_generates_from_an_image(qwen2_vl):
     ids = tok(text, return_tensors="pt")
     out = model.generate(**ids, **vision, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, ids["input_ids"].shape[1] + 3)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return build_replica("qwen2.5-vl", tmp_path_factory.mktemp("qwen2.5-vl"))
+
+
+def test_qwen2_5_vl_layout_and_vision_tower(qwen2_5_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = json.loads((qwen2_5_vl / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["model_type"] == "qwen2_5_vl"
+    vision = config["vision_config"]
+    # the Qwen2.5-VL tower's own keys (Qwen2-VL's has embed_dim / mlp_ratio instead)
+    for key in ("fullatt_block_indexes", "window_size", "out_hidden_size", "tokens_per_second",
+                "intermediate_size", "hidden_act"):  # fmt: skip
+        assert key in vision, key
+    assert "embed_dim" not in vision and "mlp_ratio" not in vision
+    assert vision["hidden_act"] == "silu" and vision["window_size"] == 112
+    assert vision["out_hidden_size"] == config["text_config"]["hidden_size"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]
+    gen = json.loads((qwen2_5_vl / "generation_config.json").read_text())
+    assert (gen["temperature"], gen["repetition_penalty"], gen["top_k"]) == (0.1, 1.05, 1)
+    pre = json.loads((qwen2_5_vl / "preprocessor_config.json").read_text())
+    assert pre["processor_class"] == "Qwen2_5_VLProcessor"
+    assert (pre["min_pixels"], pre["max_pixels"], pre["patch_size"]) == (3136, 12845056, 14)
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_5_vl)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert model.dtype == torch.bfloat16
+    blocks = model.model.visual.blocks
+    assert "RMSNorm" in type(blocks[0].norm1).__name__  # Qwen2-VL: LayerNorm
+    assert hasattr(blocks[0].mlp, "gate_proj")  # SwiGLU
+    tok = AutoTokenizer.from_pretrained(qwen2_5_vl)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    assert "Qwen2VLImageProcessor" in type(AutoImageProcessor.from_pretrained(qwen2_5_vl)).__name__
+
+
+def test_qwen2_5_vl_template_and_generate(qwen2_5_vl):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_5_vl)
+    msgs = [{"role": "system", "content": "Solve it."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}]  # fmt: skip
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>x?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    proc = AutoImageProcessor.from_pretrained(qwen2_5_vl)
+    vision = proc(images=[Image.new("RGB", (112, 56), (10, 200, 30))], return_tensors="pt")
+    assert vision["image_grid_thw"].tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * 8)  # 32 patches / 2x2 merge
+    ids = tok(text, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_5_vl)
+    out = model.generate(**ids, **vision, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids["input_ids"].shape[1] + 3)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return build_replica("llava", tmp_path_factory.mktemp("llava"))
+
+
+def test_llava_layout_and_classes(llava):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = json.loads((llava / "config.json").read_text())
+    assert config["architectures"] == ["LlavaForConditionalGeneration"]
+    assert config["model_type"] == "llava" and config["dtype"] == "float16"
+    assert config["vision_config"]["model_type"] == "clip_vision_model"
+    assert config["text_config"]["model_type"] == "llama"
+    assert config["vision_feature_select_strategy"] == "default"
+    assert config["vision_feature_layer"] == -2 and config["projector_hidden_act"] == "gelu"
+    assert config["image_seq_length"] == 16  # (56 / 14) ** 2 patches, CLS dropped
+    assert config["text_config"]["vocab_size"] % 64 == 0  # padded as the real 32064
+    pre = json.loads((llava / "preprocessor_config.json").read_text())
+    assert pre["crop_size"] == {"height": 56, "width": 56} and pre["do_center_crop"]
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    assert model.dtype == torch.float16  # llava-hf/llava-1.5-7b-hf ships float16, not bf16
+    assert type(model.model.vision_tower).__name__ == "CLIPVisionModel"
+    tok = AutoTokenizer.from_pretrained(llava)
+    # transformers 5 loads llava's tokenizer as TokenizersBackend (its list of hub folders with
+    # a wrong tokenizer_class); the folder declares LlamaTokenizer as the real one does
+    assert json.loads((llava / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "LlamaTokenizer"
+    )
+    assert tok.convert_tokens_to_ids("<image>") == model.config.image_token_id
+    assert tok.convert_tokens_to_ids("<pad>") == model.config.image_token_id + 1
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok("a").input_ids[0] == 1  # BOS added, EOS not
+    assert tok("a").input_ids[-1] != 2
+    assert type(AutoImageProcessor.from_pretrained(llava)).__name__ == "CLIPImageProcessorPil"
+
+
+def test_llava_template_renders_as_llava_1_5(llava):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llava)
+    msgs = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Colour?"}]},
+    ]
+    # images come before the text of their message; a space after every text item
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == (
+        "Be brief. USER: <image>\nWhat is it? ASSISTANT: A cat. USER: Colour? ASSISTANT:"
+    )
+
+
+def test_llava_expands_image_and_generates(llava):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tok, proc = AutoTokenizer.from_pretrained(llava), AutoImageProcessor.from_pretrained(llava)
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    pixels = proc(images=[Image.new("RGB", (84, 56), (9, 90, 200))], return_tensors="pt")
+    assert pixels["pixel_values"].shape == (1, 3, 56, 56)  # shortest edge 56, centre crop
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    ids = tok(text.replace("<image>", "<image>" * 16), return_tensors="pt")
+    assert int((ids["input_ids"] == model.config.image_token_id).sum()) == 16
+    features = model.model.get_image_features(pixel_values=pixels["pixel_values"].half())
+    features = getattr(features, "pooler_output", features)
+    assert sum(f.shape[0] for f in features) == 16  # 16 patches, the CLS feature dropped
+    out = model.generate(
+        **ids, pixel_values=pixels["pixel_values"].half(), max_new_tokens=3, do_sample=False
+    )
+    assert out.shape == (1, ids["input_ids"].shape[1] + 3)

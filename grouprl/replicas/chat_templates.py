@@ -319,6 +319,25 @@ QWEN2_VL = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
+# LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, the processor's template): turns as "USER: " / "ASSISTANT: "
+# with no separator between them; in each message its images first ("<image>\n" each), then its
+# text items, each followed by one space; a system message has no role prefix; the generation
+# prompt is "ASSISTANT:" (no space). Content must be a list of items (as the real template).
+LLAVA15 = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] != 'system' -%}{{ message['role'].upper() + ': ' }}{%- endif -%}"
+    "{%- for item in message['content'] if item['type'] == 'image' -%}"
+    "{{ '<image>\\n' }}"
+    "{%- endfor -%}"
+    "{%- for item in message['content'] if item['type'] == 'text' -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{ item['text'] + ' ' }}{%- endgeneration -%}"
+    "{%- else -%}{{ item['text'] + ' ' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
+)
+
 
 TEMPLATES: dict[str, str] = {
     "qwen2.5": QWEN25,
@@ -326,4 +345,5 @@ TEMPLATES: dict[str, str] = {
     "llama3": LLAMA3,
     "mistral": MISTRAL,
     "qwen2-vl": QWEN2_VL,
+    "llava-1.5": LLAVA15,
 }
