@@ -113,7 +113,7 @@ def fine_tune(
         if target_accuracy is not None and step % check_every == 0:
             accuracy = exact_match(model, probe, pad)
             if on_check is not None:
-                on_check(step, float(loss), accuracy)
+                on_check(step, loss.item(), accuracy)
             if accuracy >= target_accuracy:
                 break
     model.eval()

@@ -168,6 +168,9 @@ class VisionProcessor:
             _placeholders(prompt), add_generation_prompt=True, tokenize=False
         )
         ids = tok(text, add_special_tokens=False).input_ids
+        bos = tok.bos_token_id
+        if bos is not None and ids[:1] != [bos] and tok("x").input_ids[:1] == [bos]:
+            ids = [bos, *ids]  # as the model's processor tokenizes (LLaVA's template has no <s>)
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise ValueError(
