@@ -269,3 +269,25 @@ def test_qwen2_5_vl_published_config_layout_builds_the_same_model(qwen2_5_vl, tm
     ids = torch.tensor([[1, 5, 9, 30, 2]])
     with torch.no_grad():
         assert torch.equal(a(input_ids=ids).logits, b.eval()(input_ids=ids).logits)
+
+
+def test_llava_processor_loads_and_expands_as_transformers_does(llava):
+    """LLaVA's AutoProcessor needs no torchvision: the folder's processor_config.json gives it
+    patch 14 and one CLS token, so each <image> becomes image_seq_length = 16 tokens; the
+    processor adds <s> (the template does not write it)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(llava)
+    assert type(proc).__name__ == "LlavaProcessor"
+    msgs = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (56, 56))},
+                                         {"type": "text", "text": "Q"}]}]  # fmt: skip
+    inputs = proc.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    ids = inputs["input_ids"][0]
+    assert ids[0].item() == 1  # <s>
+    assert int((ids == model.config.image_token_id).sum()) == model.config.image_seq_length == 16
+    inputs["pixel_values"] = inputs["pixel_values"].half()
+    out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, len(ids) + 2)
