@@ -213,3 +213,81 @@ def test_llava_expands_image_and_generates(llava):
         **ids, pixel_values=pixels["pixel_values"].half(), max_new_tokens=3, do_sample=False
     )
     assert out.shape == (1, ids["input_ids"].shape[1] + 3)
+
+
+# the keys of Qwen2.5-VL-3B-Instruct's config.json as the hub repo publishes it (transformers
+# 4.x layout: the decoder's keys at the top, rope_scaling with the mrope sections, the vision
+# tower's keys with the legacy aliases in_chans / spatial_patch_size)
+QWEN2_5_VL_PUBLISHED_TOP = {
+    "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "vision_start_token_id",
+    "vision_end_token_id", "vision_token_id", "image_token_id", "video_token_id", "hidden_act",
+    "hidden_size", "initializer_range", "intermediate_size", "max_position_embeddings",
+    "max_window_layers", "model_type", "num_attention_heads", "num_hidden_layers",
+    "num_key_value_heads", "rms_norm_eps", "rope_theta", "sliding_window", "tie_word_embeddings",
+    "torch_dtype", "transformers_version", "use_cache", "use_sliding_window", "vision_config",
+    "rope_scaling", "vocab_size",
+}  # fmt: skip
+QWEN2_5_VL_PUBLISHED_VISION = {
+    "depth", "hidden_act", "hidden_size", "intermediate_size", "num_heads", "in_chans",
+    "out_hidden_size", "patch_size", "spatial_merge_size", "spatial_patch_size", "window_size",
+    "fullatt_block_indexes", "tokens_per_second", "temporal_patch_size",
+}  # fmt: skip
+
+
+def test_qwen2_5_vl_published_config_layout_builds_the_same_model(qwen2_5_vl, tmp_path):
+    """The replica's config written in the hub repo's own layout (flat, rope_scaling, legacy
+    vision keys) loads the replica's weights with no key missing and gives the same logits."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    ours = json.loads((qwen2_5_vl / "config.json").read_text())
+    text, vision = ours["text_config"], ours["vision_config"]
+    published = {k: text[k] for k in QWEN2_5_VL_PUBLISHED_TOP if k in text}
+    published.update({k: ours[k] for k in QWEN2_5_VL_PUBLISHED_TOP if k in ours})
+    published.update(
+        architectures=ours["architectures"], model_type="qwen2_5_vl", torch_dtype="bfloat16",
+        transformers_version="4.41.2", use_cache=True, vision_token_id=published["image_token_id"] - 1,
+        rope_theta=text["rope_parameters"]["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]},
+    )  # fmt: skip
+    published.pop("dtype", None)
+    published["vision_config"] = {k: vision[k] for k in QWEN2_5_VL_PUBLISHED_VISION if k in vision}
+    published["vision_config"].update(in_chans=3, spatial_patch_size=vision["patch_size"])
+    assert set(published) == QWEN2_5_VL_PUBLISHED_TOP
+    assert set(published["vision_config"]) == QWEN2_5_VL_PUBLISHED_VISION
+    folder = tmp_path / "published"
+    shutil.copytree(qwen2_5_vl, folder)
+    (folder / "config.json").write_text(json.dumps(published, indent=2))
+    a = AutoModelForImageTextToText.from_pretrained(qwen2_5_vl, dtype=torch.float32).eval()
+    b, info = AutoModelForImageTextToText.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert b.config.text_config.rope_parameters["mrope_section"] == [4, 6, 6]
+    assert b.config.vision_config.fullatt_block_indexes == [1]
+    ids = torch.tensor([[1, 5, 9, 30, 2]])
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=ids).logits, b.eval()(input_ids=ids).logits)
+
+
+def test_llava_processor_loads_and_expands_as_transformers_does(llava):
+    """LLaVA's AutoProcessor needs no torchvision: the folder's processor_config.json gives it
+    patch 14 and one CLS token, so each <image> becomes image_seq_length = 16 tokens; the
+    processor adds <s> (the template does not write it)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(llava)
+    assert type(proc).__name__ == "LlavaProcessor"
+    msgs = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (56, 56))},
+                                         {"type": "text", "text": "Q"}]}]  # fmt: skip
+    inputs = proc.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    model = AutoModelForImageTextToText.from_pretrained(llava)
+    ids = inputs["input_ids"][0]
+    assert ids[0].item() == 1  # <s>
+    assert int((ids == model.config.image_token_id).sum()) == model.config.image_seq_length == 16
+    inputs["pixel_values"] = inputs["pixel_values"].half()
+    out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, len(ids) + 2)

@@ -21,9 +21,15 @@ def test_configs_exist():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_validates_and_local_task_builds(path):
+    if path.parent.name == "vlm":
+        import grouprl.workloads  # noqa: F401  (registers the built-in workloads)
+        from grouprl.workloads.base import WORKLOADS
+
+        if "vlm" not in WORKLOADS:  # configs/vlm/ came before the workload (issue 17)
+            pytest.skip("this checkout has no workload vlm")
     cfg = load_config(path)
     source = str(cfg.task.options.get("source", ""))
-    if cfg.task.name == "math" and not Path(source).exists():
+    if cfg.task.name in ("math", "vqa") and not Path(source).exists():
         pytest.skip(f"task data {source!r} is a hub dataset: no network in tests")
     task = build_task(cfg.task.name, **cfg.task.options)
     # env: rewards from the env; image prompt files name their rewards in the config

@@ -26,7 +26,8 @@ and the text replicas' 2-layer decoder of width 64.
             query attention, untied head, rope theta 1e4), float16 as the real folder; Llama 2's
             sentencepiece-style tokenizer (<unk> 0, <s> 1, </s> 2, byte fallback, BOS added) with
             <image> and <pad> appended and the embedding padded to a multiple of 64;
-            CLIPImageProcessor (shortest edge + centre crop, CLIP mean / std); LLaVA-1.5's
+            CLIPImageProcessor (shortest edge + centre crop, CLIP mean / std), the
+            LlavaProcessor's processor_config.json (patch 14, one CLS token); LLaVA-1.5's
             "USER: <image>\\n... ASSISTANT:" template (chat_templates.LLAVA15). Each <image> stands
             for image_seq_length = (image_size / patch)^2 features (CLS dropped, layer -2;
             the tower has 3 layers so that layer -2 is a transformer layer).
@@ -293,6 +294,15 @@ def build_llava(
         },  # fmt: skip
         LLAVA15,
     )
+    # the processor's own settings (LlavaProcessor: 16 + 1 CLS - 1 dropped = 16 <image> tokens)
+    processor = {
+        "image_token": "<image>",
+        "num_additional_image_tokens": 1,
+        "patch_size": patch,
+        "processor_class": "LlavaProcessor",
+        "vision_feature_select_strategy": "default",
+    }
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
     return out
 
 
