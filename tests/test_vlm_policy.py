@@ -42,7 +42,8 @@ def _sharpen(policy: VisionLMPolicy) -> None:
 
 
 def _full_forward_logp(policy, rollout) -> torch.Tensor:
-    """Each row alone through the model's own forward (its own positions and image merge)."""
+    """Each row alone through the model's own forward (its own positions and image merge), the
+    image placeholders out of the action space as the policy has them."""
     model, b = policy.model, rollout.actions
     out = torch.zeros(b.completion_ids.shape)
     for i in range(len(b.completion_ids)):
@@ -55,7 +56,9 @@ def _full_forward_logp(policy, rollout) -> torch.Tensor:
                 input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
                 **b.vision[i],
             ).logits[0, len(p) - 1 : -1]  # fmt: skip  # [T, V]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+        logits = logits.float()
+        logits[:, policy.processor.placeholder_ids] = float("-inf")  # out of the action space
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
         out[i, : len(c)] = lp
     return out
 
@@ -181,3 +184,19 @@ def test_vllm_engine_names_what_it_cannot_import(folder):
     cfg = load_config(demo, [f"model.name_or_path={folder}", "rollout.engine=vllm"])
     with pytest.raises(RuntimeError, match="qwen2_vl.*torchvision.*rollout.engine 'fast'"):
         engine_from_config(cfg, "cpu")
+
+
+def test_image_placeholders_are_never_sampled_and_score_zero(folder):
+    """A completion with <|image_pad|> would be read as an image slot: out of the action space."""
+    policy = VisionLMPolicy.from_pretrained(str(folder))
+    pad = policy.processor.image_token_id
+    with torch.no_grad():  # make the placeholder the likeliest token everywhere
+        policy.model.lm_head.weight.data = policy.model.lm_head.weight.data.clone()
+        policy.model.lm_head.weight[pad] = 50 * policy.model.lm_head.weight[pad].sign()
+    policy.model.config.tie_word_embeddings = False
+    torch.manual_seed(4)
+    r = policy.sample(PROMPTS, 4, SamplingParams(max_new_tokens=6))
+    assert pad not in {t for row in r.info["completion_ids"] for t in row}
+    out = policy.log_probs(r.actions)
+    assert torch.allclose(out.logp.detach(), r.engine_logp, atol=1e-4)
+    assert torch.isfinite(out.entropy).all()

@@ -130,17 +130,21 @@ def head_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = True,
     entropy_grad: bool = False,
+    banned: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The LM head on the states that predict the completion tokens, hidden [N, T, H] -> logp
     [N, T] and entropy [N, T] | None, masked slots 0: the real tokens only through the fused head
     (a plain nn.Linear head), else the chunked autograd head. Also the vision-language path's
-    head (policies/vision/logprobs.py)."""
+    head (policies/vision/logprobs.py), where `banned` token ids get logit -inf (the tokens its
+    engines never sample: the distribution scored is the one sampled)."""
     from grouprl.policies.text.logprobs import chunked_head_logprobs  # logprobs imports this module
 
     T = batch.completion_ids.shape[1]
     cmask = batch.completion_mask.to(hidden.device)  # [N, T]
     ids = batch.completion_ids.to(hidden.device)  # [N, T]
     head = model.get_output_embeddings()
+    if banned:
+        head = _without(head, banned)
     if type(head) is torch.nn.Linear:
         lp, ent = fused_head_logprobs(
             hidden[cmask], head, ids[cmask], temperature=temperature,
@@ -158,3 +162,16 @@ def head_logprobs(
     logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
     entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
     return logp, entropy
+
+
+def _without(head: torch.nn.Module, banned: list[int]) -> Any:
+    """head(h) with the banned columns of the logits at -1e30 (through the chunked head path):
+    exp() of it is exactly 0, so log-probs equal those of the engine's -inf, and unlike -inf it
+    keeps the entropy's sum p * z finite (0 * -inf would be NaN)."""
+
+    def masked(h: Tensor) -> Tensor:
+        logits = head(h)  # [..., V]
+        return logits.index_fill(-1, torch.tensor(banned, device=logits.device), -1e30)
+
+    masked.parameters = head.parameters  # the chunked path checkpoints a head with weights
+    return masked

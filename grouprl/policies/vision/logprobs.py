@@ -89,8 +89,10 @@ def vision_completion_logprobs(
     with_entropy: bool = True,
     entropy_grad: bool = False,
     path: str = "fast",
+    banned: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """logp [N, T] and entropy [N, T] | None of the completion tokens; masked slots 0."""
+    """logp [N, T] and entropy [N, T] | None of the completion tokens; masked slots 0. banned:
+    token ids out of the action space (the image placeholders the engines never sample)."""
     if path not in ("fast", "plain"):
         raise ValueError(f"unknown log-prob path {path!r}; choose from ['fast', 'plain']")
     if batch.vision is None or len(batch.vision) != len(batch.prompt_ids):
@@ -107,5 +109,5 @@ def vision_completion_logprobs(
         hidden = _plain_hidden(model, batch, device)
     return head_logprobs(
         hf, hidden, batch, temperature=temperature, chunk_size=chunk_size,
-        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, banned=banned,
     )  # fmt: skip

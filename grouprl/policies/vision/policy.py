@@ -11,6 +11,9 @@ save under LoRA):
   (`TokenBatch.vision`), the G rows of a group sharing one dict;
 - sampling (engines/fast.py, or vLLM with multimodal inputs) and scoring (logprobs.py) encode a
   group's prompt and images once;
+- the action space excludes the image / video placeholder tokens: a completion holding one
+  would be read as an image slot by the next forward (transformers then fails on the count of
+  image features), so the engines never sample them and scoring gives them probability 0;
 - LoRA (arXiv:2106.09685) goes to the LANGUAGE MODEL's projections only (a module-name pattern
   under `language_model`, so a CLIP tower's q_proj / v_proj are never adapted); the vision tower
   and its projector are frozen (no gradient, no optimizer state) or trainable in full
@@ -113,7 +116,7 @@ class _Scorer:
         with compute(p.compute_dtype, batch.prompt_ids.device):
             return vision_completion_logprobs(
                 self._model, batch, temperature=temperature, chunk_size=p.logprob_chunk_size,
-                with_entropy=False, path=p.logprob_path,
+                with_entropy=False, path=p.logprob_path, banned=p.processor.placeholder_ids,
             )[0]  # fmt: skip
 
 
@@ -167,7 +170,9 @@ class VisionLMPolicy:
                     f"unknown local engine {name!r} for a vision-language model; choose from "
                     f"{list(LOCAL_ENGINES)} (or pass an engine object, e.g. vLLM's)"
                 )
-            engine = LOCAL_ENGINES[name](model, processor.tokenizer)
+            engine = LOCAL_ENGINES[name](
+                model, processor.tokenizer, banned=processor.placeholder_ids
+            )
         self.engine: VisionEngine = engine
 
     @classmethod
@@ -285,6 +290,7 @@ class VisionLMPolicy:
                 self.model, batch, temperature=temperature,
                 chunk_size=chunk_size or self.logprob_chunk_size, with_entropy=with_entropy,
                 entropy_grad=entropy_grad, path=self.logprob_path,
+                banned=self.processor.placeholder_ids,
             )  # fmt: skip  # [N, T] each
         return PolicyOutput(logp=logp, entropy=entropy)
 

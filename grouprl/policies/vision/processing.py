@@ -128,6 +128,9 @@ class VisionProcessor:
             getattr(config, "image_token_id", None) or config.image_token_index
         )
         self._count = IMAGE_TOKENS[kind]
+        # tokens the model reads as image / video slots: never sampled, never scored (policy.py)
+        video = getattr(config, "video_token_id", None)
+        self.placeholder_ids = [self.image_token_id] + ([int(video)] if video is not None else [])
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, trust_remote_code: bool = False) -> Any:

@@ -177,11 +177,14 @@ def decode(
     eos_ids: list[int],
     pad_id: int,
     tokenizer: Any,
+    banned: list[int] | None = None,
 ) -> GenerationOutput:
     """The decode loop after the prefill: logits [N, V] of every row's first new token (the
     decoder's rows already expanded to one per completion), then one decoder step per token until
     every row stopped or max_new_tokens ran out. Shared by this engine and the vision-language one
-    (policies/vision/engines/fast.py), whose decoders differ only in how they prefill."""
+    (policies/vision/engines/fast.py), whose decoders differ only in how they prefill.
+    banned: token ids never sampled (their logits -inf before any warper): a VLM's image
+    placeholder tokens, which its processor would read as image slots."""
     device = logits.device
     N, T = logits.shape[0], params.max_new_tokens
     warpers = _warpers(params, greedy)
@@ -194,6 +197,8 @@ def decode(
     active = torch.arange(N)  # [n] original rows still generating
     for t in range(T):
         scores = logits.float()  # [n, V]
+        if banned:
+            scores[:, banned] = float("-inf")
         for warp in warpers:
             scores = warp(None, scores)  # [n, V]
         logp = torch.log_softmax(scores, dim=-1)  # [n, V]

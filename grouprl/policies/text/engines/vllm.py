@@ -184,6 +184,7 @@ class VLLMEngine:
         seeds: list[int],
         params: SamplingParams,
         greedy: bool,
+        allowed_token_ids: list[int] | None = None,
     ) -> GenerationOutput:
         """vLLM prompts (one dict per run: token ids, and multimodal data for a VLM, see
         policies/vision/engines/vllm.py) -> one completion per row; runs: (first row, rows) of
@@ -191,7 +192,9 @@ class VLLMEngine:
         if greedy:  # vLLM allows n = 1 only when greedy; prefix caching still shares the prompt
             prompts = [p for p, (_, count) in zip(prompts, runs) for _ in range(count)]
             runs = [(start + i, 1) for start, count in runs for i in range(count)]
-        requests = [self._request_params(params, n, seeds[s], greedy) for s, n in runs]
+        requests = [
+            self._request_params(params, n, seeds[s], greedy, allowed_token_ids) for s, n in runs
+        ]
         self._wake()
         results = self.llm.generate(prompts, requests, use_tqdm=False)
         out = GenerationOutput([], [], [])
@@ -213,7 +216,14 @@ class VLLMEngine:
                 out.truncated.append(o.finish_reason == "length")
         return out
 
-    def _request_params(self, params: SamplingParams, n: int, seed: int, greedy: bool) -> Any:
+    def _request_params(
+        self,
+        params: SamplingParams,
+        n: int,
+        seed: int,
+        greedy: bool,
+        allowed: list[int] | None = None,
+    ) -> Any:
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -229,4 +239,5 @@ class VLLMEngine:
             seed=seed,
             detokenize=bool(params.stop),  # stop strings are matched on text
             skip_special_tokens=False,
+            allowed_token_ids=allowed,  # None: the whole vocabulary (a VLM leaves out placeholders)
         )

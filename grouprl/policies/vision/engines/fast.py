@@ -70,12 +70,20 @@ class VisionDecoder:
 
 class VisionFastEngine:
     """Samples from the trainer's own (possibly peft-wrapped) VLM; nothing to copy after an
-    update. batch_size: completions per decode batch (None: all at once)."""
+    update. batch_size: completions per decode batch (None: all at once); banned: token ids
+    never sampled (the image / video placeholders)."""
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        batch_size: int | None = None,
+        banned: list[int] | None = None,
+    ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"VisionFastEngine: batch_size must be >= 1, got {batch_size}")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.banned = list(banned or [])
         self.eos_ids = eos_ids(unwrap_peft(model), tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
@@ -113,7 +121,7 @@ class VisionFastEngine:
                     part = decode(
                         decoder, logits[rows], params, greedy,
                         None if seeds is None else seeds[start : start + step],
-                        self.eos_ids, self.pad_id, self.tokenizer,
+                        self.eos_ids, self.pad_id, self.tokenizer, self.banned,
                     )  # fmt: skip
                     out.completion_ids += part.completion_ids
                     out.logprobs += part.logprobs

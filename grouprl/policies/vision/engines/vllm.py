@@ -37,8 +37,9 @@ VLLM_MODULES = {
 class VisionVLLMEngine:
     """Generates from VisionPrompts with the in-process vLLM engine `text` (a VLLMEngine)."""
 
-    def __init__(self, text: VLLMEngine) -> None:
+    def __init__(self, text: VLLMEngine, banned: list[int] | None = None) -> None:
         self.text = text
+        self.banned = list(banned or [])  # never sampled: the placeholder tokens (policy.py)
 
     def load_weights(self, weights: Any) -> None:
         """Copy the trainer's weights (a VLM, its peft wrapper or a state dict) into vLLM."""
@@ -70,7 +71,11 @@ class VisionVLLMEngine:
             if p.images:
                 request["multi_modal_data"] = {"image": list(p.images)}
             requests.append(request)
-        return self.text.generate_requests(requests, runs, seeds, params, greedy)
+        allowed = None
+        if self.banned:
+            vocab = len(self.text.llm.get_tokenizer())
+            allowed = [t for t in range(vocab) if t not in set(self.banned)]
+        return self.text.generate_requests(requests, runs, seeds, params, greedy, allowed)
 
 
 def check_vllm_can_load(model_type: str) -> None:
@@ -104,4 +109,7 @@ def engine_from_config(cfg: Any, device: Any) -> VisionVLLMEngine:
     ).model_type
     import_vllm()
     check_vllm_can_load(kind)
-    return VisionVLLMEngine(text_engine(cfg, device))
+    from grouprl.policies.vision.processing import VisionProcessor
+
+    processor = VisionProcessor.from_pretrained(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    return VisionVLLMEngine(text_engine(cfg, device), processor.placeholder_ids)
