@@ -23,6 +23,7 @@ from grouprl.envs.rewards.loading import (
     load_reward_fn,
     score_completions,
 )
+from grouprl.envs.rewards.reward_model import reward_model
 from grouprl.envs.rewards.shapes import color_area
 from grouprl.envs.rewards.text import accuracy_reward, format_reward, length_reward, overlong_reward
 
@@ -40,6 +41,8 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "pickscore": pickscore,
     "aesthetic": aesthetic,
     "color_area": color_area,  # the shapes demo's prompt-colour area (envs/rewards/shapes.py)
+    # model-based text rewards (reward_model.py, llm_judge.py, http_reward.py)
+    "reward_model": reward_model,
 }
 
 
