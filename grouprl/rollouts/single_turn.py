@@ -32,7 +32,7 @@ def collect(
     Rollout (rewards filled: name -> Float[N], NaN where a function failed) and name -> number
     of failed samples. Reward functions get the completions as strings, or, for a conversational
     prompt (a list of {role, content} messages), as TRL does: [{"role": "assistant", "content":
-    text}]. first_errors: filled with name -> the first failure's text (score_completions).
+    text}], and `group_ids` (one int per sample) for the groupwise rewards. first_errors: filled with name -> the first failure's text (score_completions).
     """
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
@@ -54,6 +54,7 @@ def collect(
             "completion_lengths": batch.lengths.tolist(),
             "truncated": batch.truncated.tolist(),
             "max_new_tokens": params.max_new_tokens,
+            "group_ids": [int(g) for g in group_ids for _ in range(group_size)],
         },
         fail_fast=fail_fast,
         first_errors=first_errors,

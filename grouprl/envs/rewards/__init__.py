@@ -17,6 +17,7 @@ from typing import Any
 from grouprl.envs.rewards.code import code_reward
 from grouprl.envs.rewards.image import color_target, jpeg_compressibility, jpeg_incompressibility
 from grouprl.envs.rewards.image_models import aesthetic, clip_score, pickscore
+from grouprl.envs.rewards.llm_judge import llm_judge
 from grouprl.envs.rewards.loading import (
     RewardFn,
     call_with_options,
@@ -43,6 +44,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "color_area": color_area,  # the shapes demo's prompt-colour area (envs/rewards/shapes.py)
     # model-based text rewards (reward_model.py, llm_judge.py, http_reward.py)
     "reward_model": reward_model,
+    "llm_judge": llm_judge,
 }
 
 
