@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grouprl.envs.rewards.code import code_reward
+from grouprl.envs.rewards.http_reward import http_reward
 from grouprl.envs.rewards.image import color_target, jpeg_compressibility, jpeg_incompressibility
 from grouprl.envs.rewards.image_models import aesthetic, clip_score, pickscore
 from grouprl.envs.rewards.llm_judge import llm_judge
@@ -45,6 +46,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     # model-based text rewards (reward_model.py, llm_judge.py, http_reward.py)
     "reward_model": reward_model,
     "llm_judge": llm_judge,
+    "http": http_reward,  # remote: scored while the next rollout chunk generates
 }
 
 
