@@ -35,7 +35,8 @@ def test_pointwise_parses_scores_and_fills_the_template():
         with pytest.warns(RuntimeWarning, match="1 of 3 samples got no score.*no score"):
             got = fn(completions=["four", "five", "x"], prompts=["2+2?", "2+3?", "hm"])
     assert got == [0.8, 0.25, None]  # 8/10; the final number 2.5/10; no number
-    path, body, headers = log[0]
+    assert len(log) == 3  # the requests run concurrently: find the first sample's
+    path, body, headers = next(e for e in log if "Response:\nfour\n" in _user(e[1]))
     assert path == "/v1/chat/completions" and body["model"] == "judge"
     assert headers["Authorization"] == "Bearer k"
     assert body["temperature"] == 0.0 and body["max_tokens"] == 256
@@ -124,7 +125,9 @@ def test_groupwise_scores_and_ranking_by_group_ids():
         got = fn(completions=completions, prompts=prompts, group_ids=[0, 0, 0, 1, 1])
         assert got == pytest.approx([0.2, 0.4, 0.6, 0.2, 0.4])
         assert len(log) == 2
-        assert "Prompt:\np\n\nResponses:\n[1] a\n\n[2] b\n\n[3] c\n\n" in _user(log[0][1])
+        asked = sorted(_user(e[1]) for e in log)  # concurrent: in any order
+        assert "Prompt:\np\n\nResponses:\n[1] a\n\n[2] b\n\n[3] c\n\nAnswer" in asked[0]
+        assert "Prompt:\nq\n\nResponses:\n[1] d\n\n[2] e\n\nAnswer" in asked[1]
         ranked = build_reward(
             "llm_judge", base_url=url, model="m", mode="groupwise", output="ranking",
             template="{prompt}\n{completions}\nRanking: best first",

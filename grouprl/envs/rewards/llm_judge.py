@@ -20,23 +20,7 @@ failed and stops a run whose judge is down (envs/rewards/health.py). The per-sam
 score_completions then re-raises the remembered error without asking the judge again.
 Deviation: no `openai` package; the stdlib client of `openai_client.py`.
 
-Options:
-base_url: the server's API root, e.g. http://127.0.0.1:8000/v1
-model: the model name the server expects
-api_key: bearer token (default None: no Authorization header)
-api_key_env: name of an environment variable holding the token (read when the reward is built)
-template: the user message, with the placeholders above (default: a 0..10 rating request)
-system: an optional system message
-mode: "pointwise" | "groupwise"
-output: groupwise answer form, "scores" | "ranking"
-score_pattern: regex with one group capturing the score (default "Score: X", then last number)
-score_range: [lo, hi] mapped to [0, 1] (default [0, 10]; None keeps the raw number)
-retries: extra attempts per request on errors / 5xx / timeouts (default 2)
-backoff_s: first retry sleep, doubled per attempt (default 0.5)
-timeout_s: per-request timeout in seconds (default 60)
-concurrency: requests in flight at once (thread pool, default 8)
-temperature: sampling temperature of the judge (default 0.0)
-max_tokens: judge answer length cap (default 256)
+Options: see the docstring of `llm_judge`.
 """
 
 from __future__ import annotations
@@ -133,7 +117,26 @@ def llm_judge(
     temperature: float = 0.0,
     max_tokens: int = 256,
 ):
-    """LLM-as-a-judge score of each completion from an OpenAI-compatible chat endpoint."""
+    """LLM-as-a-judge score of each completion from an OpenAI-compatible chat endpoint.
+
+    Options:
+    base_url: the server's API root, e.g. http://127.0.0.1:8000/v1
+    model: the model name the server expects
+    api_key: bearer token (default None: no Authorization header)
+    api_key_env: name of an environment variable holding the token (read when the reward is built)
+    template: the user message, with the placeholders above (default: a 0..10 rating request)
+    system: an optional system message
+    mode: "pointwise" | "groupwise"
+    output: groupwise answer form, "scores" | "ranking"
+    score_pattern: regex with one group capturing the score (default "Score: X", then last number)
+    score_range: [lo, hi] mapped to [0, 1] (default [0, 10]; None keeps the raw number)
+    retries: extra attempts per request on errors / 5xx / timeouts (default 2)
+    backoff_s: first retry sleep, doubled per attempt (default 0.5)
+    timeout_s: per-request timeout in seconds (default 60)
+    concurrency: requests in flight at once (thread pool, default 8)
+    temperature: sampling temperature of the judge (default 0.0)
+    max_tokens: judge answer length cap (default 256)
+    """
     what = "reward 'llm_judge'"
     if mode not in ("pointwise", "groupwise"):
         raise ValueError(f"{what}: mode must be 'pointwise' or 'groupwise', got {mode!r}")

@@ -10,15 +10,7 @@ Deviations: the value is `scale * logit + shift` (defaults 1, 0: the raw logit);
 `max_length` tokens is truncated from the LEFT (the end of the completion, which the score reads,
 is kept) and a warning names the option once.
 
-Options:
-model: hub id or local folder of the reward model (loaded once per process)
-batch_size: texts per forward pass (default 8)
-max_length: tokens per text; longer texts are cut from the left, with one warning (default 4096)
-device: "cpu", "cuda", "cuda:1" ... (None = the current CUDA device when there is one, else CPU)
-dtype: "float32" | "bfloat16" | "float16" (default float32)
-padding_side: "right" | "left" (default: the tokenizer's); scores do not depend on it
-scale: multiply the logit (default 1.0)
-shift: add after scaling (default 0.0)
+Options: see the docstring of `reward_model`.
 """
 
 from __future__ import annotations
@@ -83,7 +75,18 @@ def reward_model(
     scale: float = 1.0,
     shift: float = 0.0,
 ):
-    """Reward-model score (sequence classifier, one logit) of prompt + completion."""
+    """Reward-model score (sequence classifier, one logit) of prompt + completion.
+
+    Options:
+    model: hub id or local folder of the reward model (loaded once per process)
+    batch_size: texts per forward pass (default 8)
+    max_length: tokens per text; longer texts are cut from the left, with one warning (default 4096)
+    device: "cpu", "cuda", "cuda:1" ... (None = the current CUDA device when there is one, else CPU)
+    dtype: "float32" | "bfloat16" | "float16" (default float32)
+    padding_side: "right" | "left" (default: the tokenizer's); scores do not depend on it
+    scale: multiply the logit (default 1.0)
+    shift: add after scaling (default 0.0)
+    """
     if dtype not in _DTYPES:
         raise ValueError(
             f"reward 'reward_model': dtype must be one of {list(_DTYPES)}, got {dtype!r}"
