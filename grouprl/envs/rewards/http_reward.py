@@ -6,7 +6,9 @@ Source: the remote reward-server pattern of OpenRLHF's `--remote_rm_url` and ver
 servers (a batch of texts in, a list of scores out); the wire format here is grouprl's own.
 Remote: the function carries `overlap = True` and `overlap_chunks`, so that single-turn rollouts
 generate in that many chunks and score a finished chunk in a background thread while the next one
-generates (rollouts/single_turn.py); the scores are the same as scoring all at once.
+generates (rollouts/single_turn.py); with per-sample seeding the samples and scores are those of
+the unchunked collect. Chunks shrink the generation batch: overlap_chunks 1 turns it off (better
+when the scorer is faster than generation; benchmarks/bench_http_reward.py measures both).
 Only JSON-serialisable per-sample columns are sent (others are left out). A batch whose request
 fails after its retries raises (the reward-health check counts it; the message names the URL).
 """

@@ -1,5 +1,5 @@
 """`reward_model`: a transformers sequence-classification reward model (Bradley-Terry RM with one
-output logit, e.g. Skywork-Reward / InternLM2-Reward) scoring prompt + completion.
+output logit, e.g. Skywork-Reward-Llama / -Qwen) scoring prompt + completion.
 
 Source: the RM recipe of InstructGPT (Ouyang et al., arXiv 2203.02155) as the hub checkpoints ship
 it: `AutoModelForSequenceClassification` with num_labels 1, whose score is the logit at the last
@@ -8,7 +8,11 @@ Rendering: with a chat template, [prompt messages..., {"role": "assistant", "con
 (a string prompt becomes one user message); without one, prompt text + completion text.
 Deviations: the value is `scale * logit + shift` (defaults 1, 0: the raw logit); a text longer than
 `max_length` tokens is truncated from the LEFT (the end of the completion, which the score reads,
-is kept) and a warning names the option once.
+is kept) and a warning names the option once; the score is read at the last ATTENDED position
+(from the attention mask, with position ids counted from the first real token) instead of
+transformers' "last token that is not the pad id", which misreads left padding and texts that
+contain the pad token. Only heads named `score` (the transformers *ForSequenceClassification
+classes) are supported; remote-code heads (InternLM2's v_head) are not.
 
 Options: see the docstring of `reward_model`.
 """
@@ -38,6 +42,11 @@ def load_reward_model(model: str, device: str, dtype: Dtype) -> tuple[Any, Any]:
         raise ValueError(
             f"reward 'reward_model': {model!r} has num_labels={net.config.num_labels}; a reward "
             "model has one output logit"
+        )
+    if not isinstance(getattr(net, "score", None), torch.nn.Linear):
+        raise ValueError(
+            f"reward 'reward_model': {model!r} loads as {type(net).__name__}, which has no "
+            "linear `score` head (a transformers *ForSequenceClassification class is needed)"
         )
     if tok.pad_token is None:
         if tok.eos_token is None:
