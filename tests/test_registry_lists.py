@@ -125,3 +125,16 @@ def test_a_listing_whose_reader_left_ends_quietly():
     )  # fmt: skip
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("name", ["reward_model", "llm_judge", "http"])
+def test_model_based_rewards_list_every_option_in_their_docstring(capsys, name):
+    import inspect
+
+    from grouprl.envs.rewards import REWARDS
+
+    factory = REWARDS[name]
+    doc = inspect.getdoc(factory)
+    listed = [line.split(":")[0] for line in doc.split("Options:\n", 1)[1].splitlines() if line]
+    assert listed == list(inspect.signature(factory).parameters)
+    assert _listed(capsys, "rewards")[name] == summary_line(factory)

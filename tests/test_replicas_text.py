@@ -93,7 +93,7 @@ def replicas(tmp_path_factory):
 
 
 def test_registry_unknown_family_and_command_line(tmp_path, capsys):
-    assert set(TEXT_REPLICAS) == set(CLASSES)
+    assert set(TEXT_REPLICAS) == set(CLASSES) | {"qwen2.5-rm"}  # the RM: its own test below
     with pytest.raises(ValueError, match="allowed are qwen2.5, qwen3"):
         build("qwen9", tmp_path)
     assert main(["gpt2", str(tmp_path / "g")]) == 0
@@ -126,6 +126,25 @@ def test_hub_layout_classes_and_generation(replicas, family):
     out = model.generate(**ids, max_new_tokens=5, do_sample=True, pad_token_id=tok.eos_token_id)
     n = ids.input_ids.shape[1]
     assert out.shape[0] == 1 and n < out.shape[1] <= n + 5  # stops at 5 tokens or at EOS
+
+
+def test_reward_model_replica_layout_and_head(replicas):
+    from transformers import AutoModelForSequenceClassification
+
+    path = replicas["qwen2.5-rm"]
+    assert {p.name for p in path.iterdir()} == FILES | {"vocab.json", "merges.txt"}
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.architectures == ["Qwen2ForSequenceClassification"] and cfg.num_labels == 1
+    tok = AutoTokenizer.from_pretrained(path)
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == (
+        json.loads((replicas["qwen2.5"] / "tokenizer_config.json").read_text())["chat_template"]
+    )
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    assert type(model).__name__ == "Qwen2ForSequenceClassification"
+    assert model.score.weight.shape == (1, cfg.hidden_size)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("score.weight").dtype == torch.bfloat16
 
 
 def test_special_tokens_after_the_vocabulary(replicas):

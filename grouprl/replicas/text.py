@@ -421,8 +421,33 @@ def build_gpt2(out: Path | str) -> Path:
     return out
 
 
+def build_qwen25_rm(out: Path | str) -> Path:
+    """A Qwen2.5 reward model (Qwen2ForSequenceClassification, num_labels 1, pad_token_id set in
+    the config as Skywork-Reward-V2-Qwen folders have it: the score is the logit of the last
+    non-pad token), with the Qwen2.5-Instruct tokenizer and chat template. Untied score head."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    out = Path(out)
+    tok, vocab, merges = qwen_tokenizer(QWEN25_ADDED, TEMPLATES["qwen2.5"])
+    eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen2Config(
+        vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False,
+        sliding_window=32768, max_window_layers=2, attention_dropout=0.0, bos_token_id=eot,
+        eos_token_id=eos, pad_token_id=eot, num_labels=1, dtype="bfloat16", **TINY_DECODER,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen2ForSequenceClassification(cfg)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # a visible spread of scores
+    gen = dict(bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot)
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
+    return out
+
+
 TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
     "qwen2.5": build_qwen25,
+    "qwen2.5-rm": build_qwen25_rm,
     "qwen3": build_qwen3,
     "llama3": build_llama3,
     "mistral": build_mistral,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from grouprl.envs.rewards import RewardFn, score_completions
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.filters import cat_rollouts
 from grouprl.types import Rollout
 
 
@@ -32,31 +34,86 @@ def collect(
     Rollout (rewards filled: name -> Float[N], NaN where a function failed) and name -> number
     of failed samples. Reward functions get the completions as strings, or, for a conversational
     prompt (a list of {role, content} messages), as TRL does: [{"role": "assistant", "content":
-    text}]. first_errors: filled with name -> the first failure's text (score_completions).
+    text}], and `group_ids` (one int per sample) for the groupwise rewards. Rewards marked
+    `overlap = True` (remote scorers, e.g. `http`) make collect sample in `overlap_chunks` chunks
+    of groups, each chunk scored by them in a background thread while the next generates;
+    with per-sample seeding the samples and scores equal the unchunked ones. first_errors: filled with name -> the first failure's text (score_completions).
     """
+    remote = {k: f for k, f in reward_fns.items() if getattr(f, "overlap", False)}
+    chunks = max([int(getattr(f, "overlap_chunks", 1)) for f in remote.values()], default=1)
+    chunks = max(1, min(chunks, len(examples)))
+    if chunks == 1:
+        remote = {}
+    local = {k: f for k, f in reward_fns.items() if k not in remote}
+    bounds = [round(i * len(examples) / chunks) for i in range(chunks + 1)]
+    parts, pending = [], []
+    with ThreadPoolExecutor(max_workers=1) as scorer:  # remote scoring overlaps the next chunk
+        for lo, hi in zip(bounds, bounds[1:]):
+            part, extra = _sample(
+                policy, examples[lo:hi], group_size, params, first_group_id + lo, greedy, seed
+            )
+            parts.append(part)
+            if remote:
+                args = (remote, part.info["_completions"], part.examples)
+                pending.append(
+                    scorer.submit(
+                        score_completions,
+                        *args,
+                        extra=extra,
+                        fail_fast=fail_fast,
+                        first_errors=first_errors,
+                    )  # fmt: skip
+                )
+        remote_scores = [f.result() for f in pending]  # joined before the Rollout is returned
+    rollout = cat_rollouts(parts)
+    completions = rollout.info.pop("_completions")
+    batch = rollout.actions
+    rollout.rewards, errors = score_completions(
+        local,
+        completions,
+        rollout.examples,
+        extra=_extra(batch, params, rollout.group_ids, group_size),
+        fail_fast=fail_fast,
+        first_errors=first_errors,
+    )
+    for name in remote:
+        rollout.rewards[name] = torch.cat([r[name] for r, _ in remote_scores])  # [N]
+        errors[name] = sum(e[name] for _, e in remote_scores)
+    rollout.rewards = {name: rollout.rewards[name] for name in reward_fns}  # the config's order
+    errors = {name: errors[name] for name in reward_fns}
+    return rollout, errors
+
+
+def _extra(batch: Any, params: SamplingParams, group_ids: Any, group_size: int) -> dict:
+    return {
+        "completion_lengths": batch.lengths.tolist(),
+        "truncated": batch.truncated.tolist(),
+        "max_new_tokens": params.max_new_tokens,
+        "group_ids": [int(g) for g in group_ids],
+    }
+
+
+def _sample(
+    policy: Any,
+    examples: list[dict],
+    group_size: int,
+    params: SamplingParams,
+    first_group_id: int,
+    greedy: bool,
+    seed: int | None,
+) -> tuple[Rollout, dict]:
+    """Sample one chunk of groups; its completions as rewards take them go in
+    info["_completions"] (removed before collect returns), its reward extras are returned."""
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
     rollout = policy.sample(
         prompts, group_size, params, group_ids=group_ids, greedy=greedy, **seeded
     )
-    batch = rollout.actions
     repeated = [ex for ex in examples for _ in range(group_size)]  # one example per completion
-    completions = [
+    rollout.info["_completions"] = [
         [{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text
         for text, ex in zip(rollout.info["completion"], repeated)
     ]  # one per sample: a string, or TRL's message list for a conversational prompt
-    rollout.rewards, errors = score_completions(
-        reward_fns,
-        completions,
-        repeated,
-        extra={
-            "completion_lengths": batch.lengths.tolist(),
-            "truncated": batch.truncated.tolist(),
-            "max_new_tokens": params.max_new_tokens,
-        },
-        fail_fast=fail_fast,
-        first_errors=first_errors,
-    )
     rollout.examples = repeated
-    return rollout, errors
+    return rollout, _extra(rollout.actions, params, rollout.group_ids, group_size)

@@ -15,14 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from grouprl.envs.rewards.code import code_reward
+from grouprl.envs.rewards.http_reward import http_reward
 from grouprl.envs.rewards.image import color_target, jpeg_compressibility, jpeg_incompressibility
 from grouprl.envs.rewards.image_models import aesthetic, clip_score, pickscore
+from grouprl.envs.rewards.llm_judge import llm_judge
 from grouprl.envs.rewards.loading import (
     RewardFn,
     call_with_options,
     load_reward_fn,
     score_completions,
 )
+from grouprl.envs.rewards.reward_model import reward_model
 from grouprl.envs.rewards.shapes import color_area
 from grouprl.envs.rewards.text import accuracy_reward, format_reward, length_reward, overlong_reward
 
@@ -40,6 +43,10 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "pickscore": pickscore,
     "aesthetic": aesthetic,
     "color_area": color_area,  # the shapes demo's prompt-colour area (envs/rewards/shapes.py)
+    # model-based text rewards (reward_model.py, llm_judge.py, http_reward.py)
+    "reward_model": reward_model,
+    "llm_judge": llm_judge,
+    "http": http_reward,  # remote: scored while the next rollout chunk generates
 }
 
 

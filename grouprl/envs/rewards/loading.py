@@ -4,7 +4,9 @@ Protocol (TRL's): `fn(completions=..., prompts=..., **columns) -> list[float | N
 per batch and with KEYWORD arguments only, so `def f(completions, **kwargs)`, TRL's
 `def f(prompts, completions, **kwargs)` and grouprl's built-ins all work. The caller passes
 `completions`, `prompts`, `completion_lengths` (tokens), `truncated`, `max_new_tokens` and every
-example column repeated per completion (e.g. `answer=[...]`). A completion is a string, or, when
+example column repeated per completion (e.g. `answer=[...]`). Single-turn rollouts also pass
+`group_ids`: one int per completion, equal within a group (the G completions of one prompt), for
+rewards that judge a group together (llm_judge's groupwise mode); other callers may omit it. A completion is a string, or, when
 its prompt was conversational (a list of {role, content} messages), a message list
 `[{"role": "assistant", "content": text}]` as TRL passes it (`completion_text` reads either).
 A function without **kwargs gets only the keywords it names. None means "no reward for this
