@@ -145,8 +145,8 @@ def build_qwen2_vl(
 def build_qwen2_5_vl(
     out: Path | str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None
 ) -> Path:
-    """Qwen2.5-VL-3B-Instruct (Qwen2_5_VLForConditionalGeneration): the Qwen2-VL layout with the
-    Qwen2.5-VL vision tower (window attention with full attention in the last block of each group,
+    """Qwen2.5-VL-3B-Instruct (Qwen2_5_VLForConditionalGeneration, window-attention tower).
+    The Qwen2-VL layout with the Qwen2.5-VL vision tower (window attention with full attention in the last block of each group,
     RMSNorm, SwiGLU MLP, its own output width `out_hidden_size` = the decoder's width)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -239,10 +239,11 @@ def _llama2_tokenizer() -> Any:
 def build_llava(
     out: Path | str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None
 ) -> Path:
-    """llava-hf/llava-1.5-7b-hf (LlavaForConditionalGeneration: CLIP ViT-L/14-336 tower, a 2-layer
-    GELU projector, Vicuna-7B Llama decoder; each <image> is expanded to the image's patch count,
-    the CLS feature dropped: vision_feature_select_strategy "default", features of the layer
-    before last: vision_feature_layer -2), float16 as the real folder."""
+    """llava-hf/llava-1.5-7b-hf (LlavaForConditionalGeneration, CLIP tower + Llama decoder).
+    As the real one: a CLIP ViT-L/14-336 tower, a 2-layer GELU projector, the Vicuna-7B Llama
+    decoder; each <image> is expanded to the image's patch count (the CLS feature dropped:
+    vision_feature_select_strategy "default"; features of the layer before last:
+    vision_feature_layer -2); float16 as the real folder."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     out = Path(out)
