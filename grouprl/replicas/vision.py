@@ -146,8 +146,9 @@ def build_qwen2_5_vl(
     out: Path | str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None
 ) -> Path:
     """Qwen2.5-VL-3B-Instruct (Qwen2_5_VLForConditionalGeneration, window-attention tower).
-    The Qwen2-VL layout with the Qwen2.5-VL vision tower (window attention with full attention in the last block of each group,
-    RMSNorm, SwiGLU MLP, its own output width `out_hidden_size` = the decoder's width)."""
+    The Qwen2-VL layout with the Qwen2.5-VL vision tower: window attention with full attention in
+    the last block of each group, RMSNorm, SwiGLU MLP, its own output width `out_hidden_size` =
+    the decoder's width."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     out = Path(out)
