@@ -123,8 +123,8 @@ def test_qwen2_5_vl_template_and_generate(qwen2_5_vl):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen2_5_vl)
-    msgs = [{"role": "system", "content": "Solve it."},
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}]  # fmt: skip
+    question = [{"type": "image"}, {"type": "text", "text": "x?"}]
+    msgs = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": question}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text == (
         "<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n"
@@ -247,7 +247,8 @@ def test_qwen2_5_vl_published_config_layout_builds_the_same_model(qwen2_5_vl, tm
     published.update({k: ours[k] for k in QWEN2_5_VL_PUBLISHED_TOP if k in ours})
     published.update(
         architectures=ours["architectures"], model_type="qwen2_5_vl", torch_dtype="bfloat16",
-        transformers_version="4.41.2", use_cache=True, vision_token_id=published["image_token_id"] - 1,
+        transformers_version="4.41.2", use_cache=True,
+        vision_token_id=published["image_token_id"] - 1,
         rope_theta=text["rope_parameters"]["rope_theta"],
         rope_scaling={"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]},
     )  # fmt: skip

@@ -229,7 +229,8 @@ def _llama2_tokenizer() -> Any:
         vocab.setdefault(piece, len(vocab))
     tok = LlamaTokenizer(
         vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        add_bos_token=True, add_eos_token=False, legacy=False, model_max_length=1000000000000000019884624838656,
+        add_bos_token=True, add_eos_token=False, legacy=False,
+        model_max_length=1000000000000000019884624838656,
     )  # fmt: skip
     tok.add_tokens([AddedToken("<image>", special=True, normalized=False)])
     tok.add_special_tokens({"pad_token": "<pad>"})
