@@ -39,7 +39,7 @@ SIZES = [
     "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
     "rollout.max_new_tokens=8", "eval.every=0", "eval.max_examples=2", "eval.pass_k=0",
     "eval.batch_size=4", "checkpoint.every=0", "run.console=false", "run.device=cpu",
-    "train.micro_batch_size=2",
+    "train.micro_batch_size=2", "train.lr=0.01",  # lr: 2 steps must move the log-probs visibly
 ]  # fmt: skip
 LOCAL = [  # the hub dataset replaced by the local parquet file written by the test
     "task.options.source={data}", "task.options.split=null", "task.options.eval_split=null",
@@ -217,13 +217,19 @@ CASES = [
         "geometry3k",
         [*LOCAL, "rollout.engine=fast"],
     ),  # fmt: skip
-    Case("vlm/qwen2-vl-2b-chartqa-full.yaml", "qwen2-vl", "chartqa", LOCAL),
+    # random replicas score 0 on every sample; an entropy term gives these GRPO runs a gradient
+    Case(
+        "vlm/qwen2-vl-2b-chartqa-full.yaml",
+        "qwen2-vl",
+        "chartqa",
+        [*LOCAL, "algorithm.entropy_coef=0.1"],
+    ),
     Case(
         "vlm/shapes_demo.yaml",
         "qwen2-vl",
         None,
-        ["task.options.n_train=8", "task.options.n_eval=2"],
-    ),  # fmt: skip
+        ["task.options.n_train=8", "task.options.n_eval=2", "algorithm.entropy_coef=0.1"],
+    ),
 ]
 # the VLM demo's config runs on the Qwen2-VL replica in tests/test_vlm_train.py
 OTHER = {"vlm/shapes_demo.yaml"}
@@ -331,15 +337,18 @@ def test_vlm_config_runs_on_its_replica_and_the_checkpoint_loads(
     tol = 1e-4 if dtype == torch.float32 else 5e-3  # bf16: rounding of one pass
     full = AutoModelForImageTextToText.from_pretrained(ckpt / "model", dtype=dtype).eval()
     assert torch.allclose(hf_logprobs(full, batch) * batch.completion_mask, ours, atol=tol)
+    start = AutoModelForImageTextToText.from_pretrained(base, dtype=dtype).eval()
+    moved = (hf_logprobs(start, batch) * batch.completion_mask - ours).abs().max()
+    assert moved > 10 * tol, f"2 steps moved the log-probs by {moved}: the checks above are void"
     if cfg["model"].get("lora"):  # the adapter on the base replica, as peft users load it
         base_model = AutoModelForImageTextToText.from_pretrained(base, dtype=dtype)
         adapted = PeftModel.from_pretrained(base_model, ckpt / "model" / "adapter").eval()
         assert torch.allclose(hf_logprobs(adapted, batch) * batch.completion_mask, ours, atol=tol)
-    else:  # full fine-tune with the tower frozen: the tower's weights are the replica's
-        start = AutoModelForImageTextToText.from_pretrained(base, dtype=dtype)
+    else:  # full weights: the tower is the replica's when frozen, trained when trainable
         tower = {n: p for n, p in start.named_parameters() if ".visual." in f".{n}"}
         now = dict(full.named_parameters())
-        assert tower and all(torch.equal(now[n], p) for n, p in tower.items())
+        same = [torch.equal(now[n], p) for n, p in tower.items()]
+        assert tower and all(same) == (cfg["model"]["vision_tower"] == "frozen")
     # a new run starts from the saved folder
     again, _ = run_config(case, ckpt / "model", tmp_path / "again", data, monkeypatch,
                           "train.steps=1", "run.name=from-checkpoint")  # fmt: skip
