@@ -13,7 +13,8 @@
    finite, and the checkpoint loads in transformers (and its adapter in peft) with the log-probs
    of the policy the run trained; a new run starts from the checkpoint folder.
 3. The policy's LLaVA prompt encoding is transformers' LlavaProcessor's, and no engine samples
-   the image placeholder (strict xfail until the engines mask it: IMAGE_TOKEN_SAMPLED).
+   the image placeholder, even where the model favours it (a sampled placeholder would make the
+   scoring forward fail on the image-feature count).
 """
 
 from __future__ import annotations
@@ -160,16 +161,6 @@ def test_llava_prompt_ids_are_the_transformers_processors(replica):
     assert ours.token_ids == real["input_ids"][0].tolist()
 
 
-IMAGE_TOKEN_SAMPLED = (
-    "the VLM engines sample the image placeholder token (<|image_pad|> / <image>) like any other "
-    "token; a completion holding one then has more image tokens than image features and the "
-    "scoring forward fails in transformers ('Image features and image tokens do not match'). "
-    "The placeholder (and the other vision markers) must not be sampled: a logits mask in the "
-    "engines (grouprl/policies/vision/engines), as vLLM's samplers would also need"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=IMAGE_TOKEN_SAMPLED)
 @pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
 def test_sampled_completions_never_hold_the_image_placeholder(family, replica):
     """The LM head's logit of the image placeholder is raised by 30 (as an under-trained model
@@ -302,15 +293,7 @@ def run_config(case: Case, model: Path, out: Path, data: Path, monkeypatch, *ext
     return run_dir, trained[-1]
 
 
-def _params(cases: list[Case]) -> list:
-    """This one's seeded run samples <|image_pad|> in a completion (IMAGE_TOKEN_SAMPLED); it is
-    expected to fail with exactly that error until the engines stop sampling the placeholder."""
-    marks = {"qwen2-vl-2b-chartqa-full": pytest.mark.xfail(raises=ValueError, strict=False,
-                                                           reason=IMAGE_TOKEN_SAMPLED)}  # fmt: skip
-    return [pytest.param(c, id=c.id, marks=marks.get(c.id, ())) for c in cases]
-
-
-@pytest.mark.parametrize("case", _params(CASES))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_vlm_config_runs_on_its_replica_and_the_checkpoint_loads(
     case, replica, tmp_path, monkeypatch
 ):
