@@ -137,9 +137,9 @@ def test_reward_model_replica_layout_and_head(replicas):
     assert cfg.architectures == ["Qwen2ForSequenceClassification"] and cfg.num_labels == 1
     tok = AutoTokenizer.from_pretrained(path)
     assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
-    assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"] == (
-        json.loads((replicas["qwen2.5"] / "tokenizer_config.json").read_text())["chat_template"]
-    )
+    template = json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+    policy = json.loads((replicas["qwen2.5"] / "tokenizer_config.json").read_text())
+    assert template == policy["chat_template"]
     model = AutoModelForSequenceClassification.from_pretrained(path)
     assert type(model).__name__ == "Qwen2ForSequenceClassification"
     assert model.score.weight.shape == (1, cfg.hidden_size)

@@ -84,3 +84,18 @@ def test_max_length_truncates_from_the_left_and_warns_once(rm_dir):
     assert a != pytest.approx(_hand_scores(rm_dir), abs=1e-4)
     with pytest.raises(ValueError, match="dtype"):
         build_reward("reward_model", model=rm_dir, dtype="int8")
+
+
+def test_render_without_a_chat_template_concatenates(rm_dir):
+    from transformers import AutoTokenizer
+
+    from grouprl.envs.rewards.reward_model import render
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    assert render(tok, "What is 2+2?", "4").startswith("<|im_start|>system\n")
+    tok.chat_template = None
+    assert render(tok, "Q: 2+2=", " 4") == "Q: 2+2= 4"
+    assert render(
+        tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "c"
+    ) == ("a\nbc")
+    assert render(tok, None, [{"role": "assistant", "content": "x"}]) == "x"

@@ -447,11 +447,11 @@ def build_qwen25_rm(out: Path | str) -> Path:
 
 TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
     "qwen2.5": build_qwen25,
-    "qwen2.5-rm": build_qwen25_rm,
     "qwen3": build_qwen3,
     "llama3": build_llama3,
     "mistral": build_mistral,
     "gpt2": build_gpt2,
+    "qwen2.5-rm": build_qwen25_rm,  # a reward model (sequence classifier), not a policy
 }
 
 
