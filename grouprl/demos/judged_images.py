@@ -55,7 +55,7 @@ from grouprl.train import train
 JUDGED = (
     Path(__file__).resolve().parents[2] / "configs" / "diffusion" / "shapes_flow_grpo_judged.yaml"
 )
-JUDGE_RECIPE = dict(n_train=6000, n_probe=600, steps=1500, target=0.97, seed=0)
+JUDGE_RECIPE = dict(n_train=6000, n_probe=600, steps=2000, lr=1e-3, target=0.97, seed=0)
 
 
 def _pil(image: torch.Tensor) -> Image.Image:
@@ -122,6 +122,7 @@ def cached_judge(root: Path, console: Console) -> Path:
     console.print(f"training the shapes judge (at most {r['steps']} batches)")
     ran, _ = fine_tune(
         model, rows, pad, max_steps=r["steps"], target_accuracy=r["target"], seed=r["seed"],
+        lr=r["lr"], check_every=250,
         on_check=lambda s, loss, a: console.print(f"  judge step {s}: loss {loss:.3f}, "
                                                   f"train accuracy {100 * a:.0f}%"),
     )  # fmt: skip
