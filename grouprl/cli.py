@@ -150,6 +150,7 @@ BENCHMARKS = {
     "flow-step": "flow_step.py",
     "engines-hf-vs-vllm": "engines_hf_vs_vllm.py",
     "async-speedup": "async_speedup.py",
+    "http-reward-overlap": "http_reward_overlap.py",
 }
 
 

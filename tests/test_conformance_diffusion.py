@@ -59,8 +59,12 @@ CASES = {
     "wan_flow_grpo": Case("wan2.1-t2v", 32, ("clip_score",), ("diffusion.num_frames=5",)),
     "sd15_ddpo": Case("sd1.5", 64),
     "shapes_flow_grpo": Case(None, 16, (), ("model.weights=null",)),
+    "shapes_flow_grpo_judged": Case(None, 16, ("vlm_judge",), ("model.weights=null",)),
 }  # fmt: skip
-REWARD_REPLICA = {"pickscore": "pickscore", "clip_score": "clip-vit-large-patch14"}
+REWARD_REPLICA = {"pickscore": "pickscore", "clip_score": "clip-vit-large-patch14",
+                  "vlm_judge": "qwen2-vl"}  # fmt: skip
+# options naming the reward model's files: the CLIP rewards take a processor folder too
+MODEL_OPTIONS = {"vlm_judge": ("model",)}
 
 
 def test_every_shipped_diffusion_config_has_a_case():
@@ -100,9 +104,13 @@ def overrides(name: str, replicas, out_dir: Path, model_path: str | None = None)
         cfg = load_config(CONFIGS / f"{name}.yaml")
         rewards = []
         for r in cfg.rewards:
+            if r.name not in REWARD_REPLICA:  # a reward without a model (color_area)
+                rewards.append(r.model_dump(exclude_defaults=True))
+                continue
             local = str(replicas(REWARD_REPLICA[r.name]))
+            keys = MODEL_OPTIONS.get(r.name, ("model", "processor"))
             rewards.append({"name": r.name, "weight": r.weight,
-                            "options": {**r.options, "model": local, "processor": local}})  # fmt: skip
+                            "options": {**r.options, **{k: local for k in keys}}})  # fmt: skip
         over.append(f"rewards={json.dumps(rewards)}")
     return over
 

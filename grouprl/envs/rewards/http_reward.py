@@ -8,7 +8,7 @@ Remote: the function carries `overlap = True` and `overlap_chunks`, so that sing
 generate in that many chunks and score a finished chunk in a background thread while the next one
 generates (rollouts/single_turn.py); with per-sample seeding the samples and scores are those of
 the unchunked collect. Chunks shrink the generation batch: overlap_chunks 1 turns it off (better
-when the scorer is faster than generation; benchmarks/bench_http_reward.py measures both).
+when the scorer is faster than generation; benchmarks/http_reward_overlap.py measures both).
 Only JSON-serialisable per-sample columns are sent (others are left out). A batch whose request
 fails after its retries raises (the reward-health check counts it; the message names the URL).
 """

@@ -9,8 +9,8 @@ Serial: `http` with overlap_chunks 1 (generate all, then score). Overlapped: ove
 alternate over `--reps` repetitions in one process; reported: the median time of each and the
 ratio serial / overlapped, after checking both gave the same completions and rewards.
 
-    .venv/bin/python benchmarks/bench_http_reward.py
-    .venv/bin/python benchmarks/bench_http_reward.py --chunks 4 --sleep-per-sample 0.02
+    .venv/bin/python benchmarks/http_reward_overlap.py
+    .venv/bin/python benchmarks/http_reward_overlap.py --chunks 4 --sleep-per-sample 0.02
 """
 
 from __future__ import annotations
