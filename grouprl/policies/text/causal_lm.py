@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from grouprl.policies.checkpoints import load_folder_weights, load_trained_state, trained_state
 from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
 from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.policies.text.engines.fast import FastEngine
@@ -261,22 +262,9 @@ class CausalLMPolicy:
         return self.train(False)
 
     def load_saved_weights(self, directory: str | Path) -> None:
-        """Load full weights written by save_pretrained (resume without LoRA). The lm_head may be
-        absent (tied to the embeddings); any other missing or unexpected key is an error."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(directory).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {str(directory)!r}")
-        weights: dict[str, Tensor] = {}
-        for f in files:
-            weights.update(load_file(f))
-        missing, unexpected = unwrap_peft(self.model).load_state_dict(weights, strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise ValueError(
-                f"weights in {str(directory)!r} do not match the model: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
+        """Load full weights written by save_pretrained (resume without LoRA); a tied lm_head may
+        be absent, any other missing or unexpected key is an error."""
+        load_folder_weights(self.model, directory)
 
     def snapshot(self) -> CausalLMPolicy:
         """A CausalLMPolicy over copies of the model and tokenizer, with its own engine of this
@@ -318,21 +306,11 @@ class CausalLMPolicy:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Full weights, or only the trainable (adapter) weights under LoRA."""
-        if self.lora is None:
-            return self.model.state_dict()
-        names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in self.model.state_dict().items() if k in names}
+        return trained_state(self.model, self.lora)
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Inverse of state_dict(); checks the keys before touching any weight."""
-        expected = set(self.state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise KeyError(
-                f"state dict does not match this policy: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-        self.model.load_state_dict(state, strict=self.lora is None)
+        load_trained_state(self.model, self.lora, state)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """A plain transformers folder (safetensors + tokenizer). Under LoRA the adapter is merged

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from grouprl.policies.checkpoints import load_folder_weights, load_trained_state, trained_state
 from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
 from grouprl.policies.text.engines.base import SamplingParams, unwrap_peft
 from grouprl.policies.text.loading import DTYPES, DType, check_source
@@ -332,39 +333,16 @@ class VisionLMPolicy:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Full weights, or under LoRA the trainable ones (adapters, and a trainable tower)."""
-        if self.lora is None:
-            return self.model.state_dict()
-        names = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v for k, v in self.model.state_dict().items() if k in names}
+        return trained_state(self.model, self.lora)
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Inverse of state_dict(); checks the keys before touching any weight."""
-        expected = set(self.state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise KeyError(
-                f"state dict does not match this policy: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-        self.model.load_state_dict(state, strict=self.lora is None)
+        load_trained_state(self.model, self.lora, state)
 
     def load_saved_weights(self, directory: str | Path) -> None:
         """Load full weights written by save_pretrained (resume without LoRA); a tied lm_head may
         be absent, any other missing or unexpected key is an error."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(directory).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {str(directory)!r}")
-        weights: dict[str, Tensor] = {}
-        for f in files:
-            weights.update(load_file(f))
-        missing, unexpected = unwrap_peft(self.model).load_state_dict(weights, strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise ValueError(
-                f"weights in {str(directory)!r} do not match the model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        load_folder_weights(self.model, directory)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """A folder transformers loads (AutoModelForImageTextToText + the processor files).
