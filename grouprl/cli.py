@@ -5,6 +5,7 @@ grouprl eval CONFIG_OR_RUN [dotted.key=value ...]  held-out metrics of a config'
 grouprl config show [SECTION]                      every option: type, default, allowed, meaning
 grouprl list presets|rewards|tasks|workloads|envs  the registries' names, each with a summary
 grouprl bench NAME [ARGS ...]                      a benchmark of a source checkout
+grouprl convert hpsv2 --checkpoint F --out DIR     a released scorer checkpoint as a folder
 """
 
 from __future__ import annotations
@@ -154,6 +155,17 @@ BENCHMARKS = {
 }
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """`grouprl convert hpsv2`: an OpenCLIP checkpoint as a transformers CLIP folder."""
+    from grouprl.envs.rewards.openclip_convert import convert_openclip
+
+    out = convert_openclip(
+        args.checkpoint, args.out, args.processor, args.vision_heads, args.text_heads
+    )
+    print(f"wrote {out} (reward options: {{model: {out}}})")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
@@ -222,6 +234,22 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the script")
     bench.set_defaults(func=_bench)
+    convert = sub.add_parser(
+        "convert",
+        help="convert a released scorer checkpoint into a folder its reward loads (no pickle)",
+        description="hpsv2: an OpenCLIP ViT-H-14 checkpoint (HPS_v2*_compressed.pt, read with "
+        "torch.load(weights_only=True)) into a transformers CLIPModel folder.",
+    )
+    convert.add_argument("kind", choices=["hpsv2"], help="what the checkpoint is")
+    convert.add_argument("--checkpoint", required=True, help="the .pt / .safetensors file")
+    convert.add_argument("--out", required=True, help="the folder to write")
+    convert.add_argument(
+        "--processor", default=None,
+        help="a local CLIP processor folder to copy (e.g. laion/CLIP-ViT-H-14-laion2B-s32B-b79K)",
+    )  # fmt: skip
+    convert.add_argument("--vision-heads", type=int, default=16, help="ViT-H-14: 16")
+    convert.add_argument("--text-heads", type=int, default=16, help="ViT-H-14: 16")
+    convert.set_defaults(func=_convert)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

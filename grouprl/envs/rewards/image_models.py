@@ -1,4 +1,4 @@
-"""Model-based image rewards on CLIP: CLIP score, PickScore, the LAION aesthetic predictor.
+"""Model-based image rewards on CLIP: CLIP score, PickScore, HPSv2, the LAION aesthetic predictor.
 
 - clip_score: `scale` * cos(image embedding, text embedding) of a transformers `CLIPModel`. scale 100
   (default) is the CLIPScore of torchmetrics without its clamp at 0; Hessel et al. (arXiv 2104.08718)
@@ -8,6 +8,12 @@
   yuvalkirstain/PickScore_v1 weights (a CLIP-H/14) and the processor of
   laion/CLIP-ViT-H-14-laion2B-s32B-b79K. Deviation: flow_grpo divides it by 26 and DanceGRPO uses
   the raw cosine; here the value is PickScore's own and the config's reward `weight` rescales.
+- hpsv2: HPSv2 / HPSv2.1 (arXiv:2306.09341): cos(image embedding, text embedding) of OpenCLIP
+  ViT-H-14 fine-tuned on human preferences, HPSv2's own score (the diagonal of image_features @
+  text_features.T of normalised features: a cosine, at most 1), read from the folder
+  `grouprl convert hpsv2` writes from the released checkpoint (openclip_convert.py: no OpenCLIP,
+  no pickle at load). Deviation: the prompt is tokenised by transformers' CLIP tokenizer (the same
+  BPE vocabulary and 77 tokens as OpenCLIP's; OpenCLIP also runs ftfy's text fixes).
 - aesthetic: the LAION aesthetic predictor (improved-aesthetic-predictor): the L2-normalised image
   embedding of CLIP ViT-L/14 through LAION's MLP head (`aesthetic_head.py`), whose weights come from a
   local .pth / .safetensors file such as sac+logos+ava1-l14-linearMSE.pth (never downloaded here).
@@ -110,6 +116,21 @@ def pickscore(
     clip = load_clip(model, processor, device=device, dtype=dtype)
     scale = float(clip.model.logit_scale.detach().float().exp())
     return _similarity_reward("pickscore", clip, scale, preprocess, batch_size)
+
+
+def hpsv2(
+    model: str,
+    processor: str | None = None,
+    preprocess: Preprocess = "tensor",
+    batch_size: int = 32,
+    device: str | None = None,
+    dtype: Dtype = "float32",
+) -> RewardFn:
+    """HPSv2: cosine of image and prompt embeddings of a converted HPSv2 folder (module docstring).
+    model: the folder `grouprl convert hpsv2` wrote; processor: its processor files if elsewhere."""
+    _check(preprocess, batch_size)
+    clip = load_clip(model, processor, device=device, dtype=dtype)
+    return _similarity_reward("hpsv2", clip, 1.0, preprocess, batch_size)
 
 
 def aesthetic(
