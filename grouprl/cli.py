@@ -5,7 +5,7 @@ grouprl eval CONFIG_OR_RUN [dotted.key=value ...]  held-out metrics of a config'
 grouprl config show [SECTION]                      every option: type, default, allowed, meaning
 grouprl list presets|rewards|tasks|workloads|envs  the registries' names, each with a summary
 grouprl bench NAME [ARGS ...]                      a benchmark of a source checkout
-grouprl convert hpsv2 --checkpoint F --out DIR     a released scorer checkpoint as a folder
+grouprl convert hpsv2|image_reward --checkpoint F --out DIR   a released scorer as a folder
 """
 
 from __future__ import annotations
@@ -156,12 +156,24 @@ BENCHMARKS = {
 
 
 def _convert(args: argparse.Namespace) -> int:
-    """`grouprl convert hpsv2`: an OpenCLIP checkpoint as a transformers CLIP folder."""
-    from grouprl.envs.rewards.openclip_convert import convert_openclip
+    """`grouprl convert hpsv2 | image_reward`: a released scorer checkpoint as a folder its
+    reward loads (the checkpoint read without arbitrary unpickling)."""
+    if args.kind == "hpsv2":
+        from grouprl.envs.rewards.openclip_convert import convert_openclip
 
-    out = convert_openclip(
-        args.checkpoint, args.out, args.processor, args.vision_heads, args.text_heads
-    )
+        out = convert_openclip(
+            args.checkpoint, args.out, args.processor, args.vision_heads or 16,
+            args.text_heads or 16,
+        )  # fmt: skip
+    else:
+        from grouprl.envs.rewards.image_reward import convert_image_reward
+
+        if args.tokenizer is None:
+            raise ValueError("convert image_reward needs --tokenizer (a BERT-uncased folder)")
+        out = convert_image_reward(
+            args.checkpoint, args.out, args.tokenizer, args.vision_heads or 16,
+            args.text_heads or 12,
+        )  # fmt: skip
     print(f"wrote {out} (reward options: {{model: {out}}})")
     return 0
 
@@ -237,18 +249,26 @@ def main(argv: list[str] | None = None) -> int:
     convert = sub.add_parser(
         "convert",
         help="convert a released scorer checkpoint into a folder its reward loads (no pickle)",
-        description="hpsv2: an OpenCLIP ViT-H-14 checkpoint (HPS_v2*_compressed.pt, read with "
-        "torch.load(weights_only=True)) into a transformers CLIPModel folder.",
+        description="hpsv2: an OpenCLIP ViT-H-14 checkpoint (HPS_v2*_compressed.pt) into a "
+        "transformers CLIPModel folder; image_reward: ImageReward.pt (BLIP) into BLIP towers + "
+        "its head. Checkpoints are read with torch.load(weights_only=True).",
     )
-    convert.add_argument("kind", choices=["hpsv2"], help="what the checkpoint is")
+    convert.add_argument("kind", choices=["hpsv2", "image_reward"], help="what the checkpoint is")
     convert.add_argument("--checkpoint", required=True, help="the .pt / .safetensors file")
     convert.add_argument("--out", required=True, help="the folder to write")
     convert.add_argument(
         "--processor", default=None,
         help="a local CLIP processor folder to copy (e.g. laion/CLIP-ViT-H-14-laion2B-s32B-b79K)",
     )  # fmt: skip
-    convert.add_argument("--vision-heads", type=int, default=16, help="ViT-H-14: 16")
-    convert.add_argument("--text-heads", type=int, default=16, help="ViT-H-14: 16")
+    convert.add_argument(
+        "--tokenizer", default=None, help="image_reward: a local bert-base-uncased folder"
+    )
+    convert.add_argument(
+        "--vision-heads", type=int, default=None, help="default 16 (ViT-H-14; BLIP ViT-L)"
+    )
+    convert.add_argument(
+        "--text-heads", type=int, default=None, help="default 16 (hpsv2), 12 (image_reward)"
+    )
     convert.set_defaults(func=_convert)
     args = parser.parse_args(argv)
     try:

@@ -8,6 +8,7 @@ written below with plain torch ops on the ORIGINAL tensors.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -133,10 +134,150 @@ def test_a_pickle_payload_is_refused_and_never_runs(tmp_path):
     evil = tmp_path / "HPS_v2_compressed.pt"
     evil.write_bytes(pickle.dumps({"state_dict": Payload()}))
     with pytest.raises(ValueError, match="weights_only refused"):
-        from grouprl.envs.rewards.openclip_convert import read_checkpoint
+        from grouprl.envs.rewards.released import read_checkpoint
 
         read_checkpoint(evil)
     assert main(["convert", "hpsv2", "--checkpoint", str(evil), "--out", str(tmp_path / "o")]) == 2
     assert not marker.exists()
     assert main(["convert", "hpsv2", "--checkpoint", str(tmp_path / "nope.pt"),
                  "--out", str(tmp_path / "o")]) == 2  # fmt: skip
+
+
+# ---- image_reward: ImageReward's BLIP layout, converted, against its own forward ----------------
+
+IR_V, IR_T, IR_HEADS, IR_PATCH, IR_GRID = 32, 32, 2, 16, 14
+WORDS = ["a", "red", "bicycle", "cat", "on", "the", "wall", "##s", "blue"]
+
+
+def _bert_tokenizer(folder):
+    """BLIP's tokenizer: BERT uncased plus its added [DEC] (bos) and [ENC] tokens."""
+    from transformers import BertTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")  # fmt: skip
+    tok = BertTokenizer(str(folder / "vocab.txt"), do_lower_case=True)
+    tok.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
+def _image_reward_state(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+
+    v, t = "blip.visual_encoder.", "blip.text_encoder."
+    sd = {f"{v}patch_embed.proj.weight": r(IR_V, 3, IR_PATCH, IR_PATCH),
+          f"{v}patch_embed.proj.bias": r(IR_V), f"{v}cls_token": r(1, 1, IR_V),
+          f"{v}pos_embed": r(1, IR_GRID**2 + 1, IR_V), f"{v}norm.weight": 1 + r(IR_V),
+          f"{v}norm.bias": r(IR_V), f"{t}embeddings.word_embeddings.weight": r(vocab, IR_T),
+          f"{t}embeddings.position_embeddings.weight": r(40, IR_T),
+          f"{t}embeddings.LayerNorm.weight": 1 + r(IR_T), f"{t}embeddings.LayerNorm.bias": r(IR_T),
+          f"{t}embeddings.position_ids": torch.arange(40)[None],
+          "blip.vision_proj.weight": r(8, IR_V), "blip.vision_proj.bias": r(8)}  # fmt: skip
+    for i in range(2):
+        p = f"{v}blocks.{i}."
+        for name in ("norm1", "norm2"):
+            sd[f"{p}{name}.weight"], sd[f"{p}{name}.bias"] = 1 + r(IR_V), r(IR_V)
+        for name, o, n in (("attn.qkv", 3 * IR_V, IR_V), ("attn.proj", IR_V, IR_V),
+                           ("mlp.fc1", 4 * IR_V, IR_V), ("mlp.fc2", IR_V, 4 * IR_V)):  # fmt: skip
+            sd[f"{p}{name}.weight"], sd[f"{p}{name}.bias"] = r(o, n), r(o)
+        p = f"{t}encoder.layer.{i}."
+        for att, kv_in in (("attention", IR_T), ("crossattention", IR_V)):
+            sd[f"{p}{att}.self.query.weight"], sd[f"{p}{att}.self.query.bias"] = (
+                r(IR_T, IR_T),
+                r(IR_T),
+            )
+            for kv in ("key", "value"):
+                sd[f"{p}{att}.self.{kv}.weight"], sd[f"{p}{att}.self.{kv}.bias"] = (
+                    r(IR_T, kv_in),
+                    r(IR_T),
+                )
+            sd[f"{p}{att}.output.dense.weight"], sd[f"{p}{att}.output.dense.bias"] = (
+                r(IR_T, IR_T),
+                r(IR_T),
+            )
+            sd[f"{p}{att}.output.LayerNorm.weight"] = 1 + r(IR_T)
+            sd[f"{p}{att}.output.LayerNorm.bias"] = r(IR_T)
+        sd[f"{p}intermediate.dense.weight"], sd[f"{p}intermediate.dense.bias"] = r(64, IR_T), r(64)
+        sd[f"{p}output.dense.weight"], sd[f"{p}output.dense.bias"] = r(IR_T, 64), r(IR_T)
+        sd[f"{p}output.LayerNorm.weight"], sd[f"{p}output.LayerNorm.bias"] = 1 + r(IR_T), r(IR_T)
+    dims = [IR_T, 16, 8, 4, 2, 1]
+    for j, i in enumerate((0, 2, 4, 6, 7)):
+        sd[f"mlp.layers.{i}.weight"] = r(dims[j + 1], dims[j], std=0.5)
+        sd[f"mlp.layers.{i}.bias"] = r(dims[j + 1], std=0.5)
+    return sd
+
+
+def _attend(q, k, v, heads, key_mask=None):
+    b, n, w = q.shape
+    split = lambda x: x.reshape(b, x.shape[1], heads, w // heads).transpose(1, 2)  # noqa: E731
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(w // heads)  # [b, h, n, m]
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(b, n, w)
+
+
+@torch.no_grad()
+def _image_reward_by_hand(sd, pixels, ids, mask):
+    """BLIP's ViT (timm layout) and BERT text encoder with cross-attention, ImageReward's head."""
+    v, t = "blip.visual_encoder.", "blip.text_encoder."
+    lin = lambda x, p: F.linear(x, sd[p + ".weight"], sd[p + ".bias"])  # noqa: E731
+    ln = lambda x, p, eps: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps)  # noqa: E731
+    x = F.conv2d(pixels, sd[f"{v}patch_embed.proj.weight"], sd[f"{v}patch_embed.proj.bias"],
+                 stride=IR_PATCH).flatten(2).transpose(1, 2)  # fmt: skip
+    x = torch.cat([sd[f"{v}cls_token"].expand(len(x), 1, -1), x], 1) + sd[f"{v}pos_embed"]
+    for i in range(2):
+        p = f"{v}blocks.{i}."
+        h = ln(x, p + "norm1", 1e-6)
+        q, k, val = lin(h, p + "attn.qkv").chunk(3, -1)
+        x = x + lin(_attend(q, k, val, IR_HEADS), p + "attn.proj")
+        x = x + lin(F.gelu(lin(ln(x, p + "norm2", 1e-6), p + "mlp.fc1")), p + "mlp.fc2")
+    img = ln(x, f"{v}norm", 1e-6)  # [B, 1+P, W]
+    h = sd[f"{t}embeddings.word_embeddings.weight"][ids] + sd[
+        f"{t}embeddings.position_embeddings.weight"][: ids.shape[1]]  # fmt: skip
+    h = ln(h, f"{t}embeddings.LayerNorm", 1e-12)
+    for i in range(2):
+        p = f"{t}encoder.layer.{i}."
+        a = _attend(lin(h, p + "attention.self.query"), lin(h, p + "attention.self.key"),
+                    lin(h, p + "attention.self.value"), IR_HEADS, mask)  # fmt: skip
+        h = ln(lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm", 1e-12)
+        c = _attend(lin(h, p + "crossattention.self.query"), lin(img, p + "crossattention.self.key"),
+                    lin(img, p + "crossattention.self.value"), IR_HEADS)  # fmt: skip
+        h = ln(lin(c, p + "crossattention.output.dense") + h,
+               p + "crossattention.output.LayerNorm", 1e-12)  # fmt: skip
+        m = lin(F.gelu(lin(h, p + "intermediate.dense")), p + "output.dense")
+        h = ln(m + h, p + "output.LayerNorm", 1e-12)
+    r = h[:, 0]
+    for i in (0, 2, 4, 6, 7):
+        r = lin(r, f"mlp.layers.{i}")
+    return (r[:, 0] - 0.16717362830052426) / 1.0333394966054072
+
+
+def test_image_reward_converted_equals_blip_by_hand(tmp_path):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    vocab = _bert_tokenizer(tmp_path / "bert")
+    sd = _image_reward_state(vocab)
+    torch.save(sd, tmp_path / "ImageReward.pt")
+    assert main(["convert", "image_reward", "--checkpoint", str(tmp_path / "ImageReward.pt"),
+                 "--out", str(tmp_path / "ir"), "--tokenizer", str(tmp_path / "bert"),
+                 "--vision-heads", "2", "--text-heads", "2"]) == 0  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    images = torch.rand(3, 3, 230, 250, generator=g)  # [N, 3, H, W] in [0, 1]
+    prompts = ["a red bicycle", "a cat on the wall", "blue walls"]
+    got = torch.tensor(build_reward("image_reward", model=str(tmp_path / "ir"), batch_size=2)(
+        images=images, prompts=prompts))  # fmt: skip
+    ip = AutoImageProcessor.from_pretrained(tmp_path / "ir")
+    pil = [Image.fromarray((im * 255).round().byte().permute(1, 2, 0).numpy()) for im in images]
+    pixels = ip(images=pil, return_tensors="pt")["pixel_values"]  # [N, 3, 224, 224]
+    enc = AutoTokenizer.from_pretrained(tmp_path / "ir")(
+        prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt"
+    )
+    want = _image_reward_by_hand(sd, pixels, enc.input_ids, enc.attention_mask.bool())
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+    assert len(set(got.tolist())) == 3
+    ignored = json.loads((tmp_path / "ir" / "image_reward.json").read_text())["ignored_keys"]
+    assert ignored == ["blip.vision_proj.bias", "blip.vision_proj.weight"]

@@ -18,6 +18,7 @@ from grouprl.envs.rewards.code import code_reward
 from grouprl.envs.rewards.http_reward import http_reward
 from grouprl.envs.rewards.image import color_target, jpeg_compressibility, jpeg_incompressibility
 from grouprl.envs.rewards.image_models import aesthetic, clip_score, hpsv2, pickscore
+from grouprl.envs.rewards.image_reward import image_reward
 from grouprl.envs.rewards.llm_judge import llm_judge
 from grouprl.envs.rewards.loading import (
     RewardFn,
@@ -43,6 +44,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "pickscore": pickscore,
     "aesthetic": aesthetic,
     "hpsv2": hpsv2,  # from the folder `grouprl convert hpsv2` writes
+    "image_reward": image_reward,  # from the folder `grouprl convert image_reward` writes
     "color_area": color_area,  # the shapes demo's prompt-colour area (envs/rewards/shapes.py)
     # model-based text rewards (reward_model.py, llm_judge.py, http_reward.py)
     "reward_model": reward_model,

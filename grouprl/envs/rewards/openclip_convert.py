@@ -7,9 +7,8 @@ checkpoint is converted ONCE, explicitly (`grouprl convert hpsv2 --checkpoint F 
 folder transformers loads (config.json + model.safetensors, the CLIP processor files copied from
 `--processor`); the `hpsv2` reward then reads only that folder.
 
-Reading the checkpoint: `torch.load(weights_only=True)`, torch's restricted unpickler (tensors and
-plain containers only; a file that asks for anything else, e.g. a __reduce__ payload, is refused),
-or a .safetensors file.
+Reading the checkpoint: released.py (`torch.load(weights_only=True)`, torch's restricted
+unpickler: a file that asks for anything but tensors, e.g. a __reduce__ payload, is refused).
 
 The mapping, per OpenCLIP's VisionTransformer / TextTransformer (the same architecture as
 transformers' CLIP: pre-LN blocks, a class token, causal text attention, the text pooled at the
@@ -34,38 +33,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
+
+from grouprl.envs.rewards.released import read_checkpoint
 
 PROCESSOR_FILES = (
     "preprocessor_config.json", "processor_config.json", "tokenizer.json",
     "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
 )  # fmt: skip
-
-
-def read_checkpoint(path: str | Path) -> dict[str, Tensor]:
-    """The state dict of an OpenCLIP checkpoint file (a {"state_dict": ...} wrapper, "module."
-    prefixes of DDP saves removed), read without arbitrary unpickling (module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state: Any = load_file(path)
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # the restricted unpickler refuses anything but tensors
-            raise ValueError(
-                f"{str(path)!r} is not a plain tensor checkpoint (torch.load weights_only "
-                f"refused it: {str(e).splitlines()[0][:200]})"
-            ) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{str(path)!r} holds no OpenCLIP state dict of tensors")
-    return {re.sub(r"^module\.", "", k): v for k, v in state.items()}
 
 
 def _blocks(state: dict[str, Tensor], prefix: str) -> int:
