@@ -127,7 +127,9 @@ def hpsv2(
     dtype: Dtype = "float32",
 ) -> RewardFn:
     """HPSv2: cosine of image and prompt embeddings of a converted HPSv2 folder (module docstring).
-    model: the folder `grouprl convert hpsv2` wrote; processor: its processor files if elsewhere."""
+
+    model: the folder `grouprl convert hpsv2` wrote; processor: its processor files if elsewhere.
+    """
     _check(preprocess, batch_size)
     clip = load_clip(model, processor, device=device, dtype=dtype)
     return _similarity_reward("hpsv2", clip, 1.0, preprocess, batch_size)

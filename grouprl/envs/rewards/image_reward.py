@@ -170,6 +170,7 @@ def image_reward(
     dtype: Dtype = "float32",
 ) -> RewardFn:
     """ImageReward of each (prompt, image), standardised as ImageReward reports it.
+
     model: the folder `grouprl convert image_reward` wrote.
     batch_size: images per forward pass.
     device: torch device (None: the current CUDA device, else the CPU).

@@ -46,8 +46,14 @@ def vlm_judge(
     dtype: str = "float32",
     batch_size: int = 16,
 ) -> RewardFn:
-    """Build the judge reward (see the module docstring). model: a hub id or local folder of an
-    image-text-to-text model; question: the template asked about each image."""
+    """P(yes) of a vision-language model asked a yes / no question about each image.
+
+    model: a hub id or local folder of an image-text-to-text model (the judge, VisionLMPolicy).
+    question: the template asked about each image ({prompt} and columns by name).
+    yes, no: the answer words whose first tokens are compared.
+    device, dtype: where and in which precision the judge runs.
+    batch_size: images per forward pass.
+    """
     names = {n for _, n, _, _ in Formatter().parse(question) if n}
     if batch_size < 1:
         raise ValueError(f"vlm_judge: batch_size must be >= 1, got {batch_size}")
