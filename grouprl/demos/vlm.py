@@ -95,7 +95,7 @@ def warm_up(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grouprl.demos.vlm", description=__doc__)
     parser.add_argument("--warmup-max-steps", type=int, default=1500)
-    parser.add_argument("--warmup-target", type=float, default=0.55)
+    parser.add_argument("--warmup-target", type=float, default=0.6)
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
