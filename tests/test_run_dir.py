@@ -207,8 +207,12 @@ def _cli(tmp_path, tiny_model_dir, reward, *overrides, timeout=240, interrupt=Fa
     if not interrupt:
         return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
                               timeout=timeout)  # fmt: skip
+    # a terminal's Ctrl-C reaches a trainer whose SIGINT is not ignored; a test run launched as a
+    # background job (`cmd &` in a script) ignores SIGINT and its children inherit that, so the
+    # child gets the default disposition back, as a foreground `grouprl train` has it
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + timeout
     while not (work / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
