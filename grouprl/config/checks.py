@@ -92,7 +92,40 @@ def check_combinations(cfg: Config) -> None:
             "diffusion.ratio_norm='grpo_guard' clips with algorithm.surrogate.eps_high; surrogate "
             f"{a.surrogate.type!r} has no clip range (use type clip)"
         )
+    check_hooks(cfg)
     if a.advantage == "dr_grpo" and a.scale != "none":
         warnings.warn(
             "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
         )
+
+
+def check_hooks(cfg: Config) -> None:
+    """rollout.hooks: at most one of each type; behaviour-policy rows need the per-token
+    correction; replay's buffer and a one-step-off sampler would disagree about its state."""
+    hooks = cfg.rollout.hooks
+    types = [h.type for h in hooks]
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:
+        raise ValueError(f"rollout.hooks lists {', '.join(twice)} more than once")
+    off_policy = [f"{h.type}" + (" (context original)" if h.type == "hint" else "")
+                  for h in hooks
+                  if h.type == "replay" or (h.type == "hint" and h.context == "original")]  # fmt: skip
+    if off_policy and cfg.algorithm.engine_correction == "none":
+        raise ValueError(
+            f"rollout.hooks {', '.join(off_policy)} trains on rows sampled by another policy "
+            "(stored or hinted log-probs); set algorithm.engine_correction (e.g. token_truncate) "
+            "so each token is reweighted by pi_old / pi_behaviour"
+        )
+    if hooks and cfg.train.async_mode != "off":
+        raise ValueError(
+            f"rollout.hooks with train.async_mode={cfg.train.async_mode!r}: the hooks act on the "
+            "batch sampled for the current weights (and replay's buffer is checkpointed with "
+            "them); use train.async_mode off"
+        )
+    for h in hooks:
+        if h.type == "hint" and h.where == "response" and h.text == "column":
+            warnings.warn(
+                f"rollout.hooks hint: text 'column' with where 'response' forces the whole "
+                f"{h.column!r} column as the start of the completion",
+                stacklevel=2,
+            )

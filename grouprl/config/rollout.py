@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from grouprl.config.hooks import HookConfig
 from grouprl.config.section import Section
 
 
@@ -66,4 +67,10 @@ class RolloutConfig(Section):
         "recompute",
         description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
         "engine: trust the engine's sampling log-probs.",
+    )
+    hooks: list[HookConfig] = Field(
+        default_factory=list,
+        description="What to do with groups that carry no signal, in order: {type: hint, ...} "
+        "re-samples an all-fail group with a hint, {type: replay, ...} mixes in the prompt's past "
+        "successes (grouprl/config/hooks.py, grouprl/rollouts/hooks/).",
     )

@@ -25,6 +25,7 @@ def collect(
     fail_fast: bool = False,
     seed: int | None = None,
     first_errors: dict[str, str] | None = None,
+    response_prefixes: list[str] | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """Sample `group_size` completions for each example and score them with every reward function.
 
@@ -38,6 +39,8 @@ def collect(
     `overlap = True` (remote scorers, e.g. `http`) make collect sample in `overlap_chunks` chunks
     of groups, each chunk scored by them in a background thread while the next generates;
     with per-sample seeding the samples and scores equal the unchunked ones. first_errors: filled with name -> the first failure's text (score_completions).
+    response_prefixes: one text per example forced as the start of its completions (hints,
+    rollouts/hooks/hint.py; CausalLMPolicy.sample).
     """
     remote = {k: f for k, f in reward_fns.items() if getattr(f, "overlap", False)}
     chunks = max([int(getattr(f, "overlap_chunks", 1)) for f in remote.values()], default=1)
@@ -49,9 +52,11 @@ def collect(
     parts, pending = [], []
     with ThreadPoolExecutor(max_workers=1) as scorer:  # remote scoring overlaps the next chunk
         for lo, hi in zip(bounds, bounds[1:]):
+            prefixes = None if response_prefixes is None else response_prefixes[lo:hi]
             part, extra = _sample(
-                policy, examples[lo:hi], group_size, params, first_group_id + lo, greedy, seed
-            )
+                policy, examples[lo:hi], group_size, params, first_group_id + lo, greedy, seed,
+                prefixes,
+            )  # fmt: skip
             parts.append(part)
             if remote:
                 args = (remote, part.info["_completions"], part.examples)
@@ -101,12 +106,15 @@ def _sample(
     first_group_id: int,
     greedy: bool,
     seed: int | None,
+    response_prefixes: list[str] | None = None,
 ) -> tuple[Rollout, dict]:
     """Sample one chunk of groups; its completions as rewards take them go in
     info["_completions"] (removed before collect returns), its reward extras are returned."""
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
+    if response_prefixes is not None:  # policies without forced starts never see the key
+        seeded["response_prefixes"] = response_prefixes
     rollout = policy.sample(
         prompts, group_size, params, group_ids=group_ids, greedy=greedy, **seeded
     )

@@ -41,6 +41,8 @@ class Capabilities:
                          needs `rollout.examples`)
     prompt_guard:        rollout.max_prompt_tokens (over-long single-turn prompts filtered /
                          truncated before training)
+    signal_hooks:        rollout.hooks (hint / replay for groups without signal: collect takes
+                         `group_size` and `response_prefixes`, the payload is a TokenBatch)
     """
 
     multi_process: bool = False
@@ -48,6 +50,7 @@ class Capabilities:
     per_sample_seeding: bool = False
     curriculum: bool = False
     prompt_guard: bool = False
+    signal_hooks: bool = False
 
 
 @dataclass
@@ -178,6 +181,7 @@ _ASKS = {
         "rollout.max_prompt_tokens",
         lambda cfg, world: cfg.rollout.max_prompt_tokens is not None,
     ),
+    "signal_hooks": ("rollout.hooks", lambda cfg, world: bool(cfg.rollout.hooks)),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked
 

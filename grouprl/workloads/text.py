@@ -94,7 +94,7 @@ class TextWorkload:
     name: ClassVar[str] = "text"
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
-        prompt_guard=True,
+        prompt_guard=True, signal_hooks=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -115,15 +115,31 @@ class TextWorkload:
         return self.cfg.rollout.max_new_tokens  # one completion
 
     def collect(
-        self, policy: Any, examples: list[dict], *, first_group_id: int, step: int
+        self,
+        policy: Any,
+        examples: list[dict],
+        *,
+        first_group_id: int,
+        step: int,
+        group_size: int | None = None,
+        response_prefixes: list[str] | None = None,
     ) -> Collected:
+        """group_size: samples per example (None: rollout.group_size); response_prefixes: one
+        forced completion start per example (rollout.hooks hint)."""
         cfg, first_errors = self.cfg, {}
         seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
-        rollout, errors = self.dist.gather_groups(examples, first_group_id, lambda part, first: (
-            collect(policy, part, cfg.rollout.group_size, self.params, self.reward_fns,
-                    first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
-                    first_errors=first_errors)
-        ))  # fmt: skip
+        size = group_size or cfg.rollout.group_size
+
+        def make(part: list[dict], first: int) -> tuple[Rollout, dict]:
+            lo = first - first_group_id  # a process's share is a contiguous run of the examples
+            prefixes = None if response_prefixes is None else response_prefixes[lo : lo + len(part)]
+            return collect(
+                policy, part, size, self.params, self.reward_fns, first_group_id=first,
+                fail_fast=cfg.run.fail_fast, seed=seed, first_errors=first_errors,
+                response_prefixes=prefixes,
+            )  # fmt: skip
+
+        rollout, errors = self.dist.gather_groups(examples, first_group_id, make)
         return Collected(rollout, len(rollout), errors, first_errors)
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
