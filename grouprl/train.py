@@ -92,9 +92,11 @@ def rollout_step(
     errors_total: dict[str, int] = {}
     first_errors: dict[str, str] = {}
     scored = [0]  # samples the reward functions saw this step, over all sampling rounds
+    sampled = [0]  # action slots the policy generated this step (all rounds, hint re-samples)
 
     def account(got: Collected) -> Rollout:
         scored[0] += got.scored
+        sampled[0] += int(got.rollout.mask.sum())
         for k, v in got.errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
         for k, v in got.first_errors.items():
@@ -124,6 +126,7 @@ def rollout_step(
         )
     else:
         rollout = one_round(0)
+    metrics["rollout/sampled_actions"] = float(sampled[0])  # tokens (text); denoising steps (flows)
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v

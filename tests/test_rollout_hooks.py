@@ -328,3 +328,21 @@ def test_hooks_with_async_rollouts_or_another_workload_are_refused(tmp_path, tin
            "rollout": {"hooks": [{"type": "hint"}]}}  # fmt: skip
     with pytest.raises(ValueError, match="does not support rollout.hooks"):
         validate(apply_overrides(raw, []))
+
+
+def test_gsm8k_worked_solution_is_kept_for_the_hint_preset(tmp_path):
+    from grouprl.envs.tasks import build_task
+
+    rows = [{"question": f"q{i}", "answer": f"Add {i} and 2 to get {i + 2}.\n#### {i + 2}"}
+            for i in range(4)]  # fmt: skip
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    task = build_task("math", source=str(data), answer_format="gsm8k")
+    ex = task.train[0]
+    assert ex["answer"] == str(int(ex["question"][1:]) + 2) and ex["solution"].startswith("Add ")
+    hook = HintHook(validate({"workload": {"type": "text"}, "model": {"name_or_path": "x"},
+                              "task": {"name": "arithmetic"},
+                              "algorithm": {"preset": "hint"}}).rollout.hooks[0])  # fmt: skip
+    words = ex["solution"].split()
+    assert hook.hint_for(ex, 0).split() == words[: math.ceil(len(words) / 2)]  # half at step 0
+    assert hook.hint_for(ex, 200) == ""  # annealed to nothing
