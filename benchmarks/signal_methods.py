@@ -1,7 +1,9 @@
 """What hints, replay, on-policy distillation and rollout budgets buy on the CPU arithmetic task.
 
 For each seed: the demo's supervised warm-up (as in the demo), then each method trains from that
-checkpoint with the demo config for the same number of steps; the table reports held-out greedy
+checkpoint with the demo config for the same number of steps, on the first --max-train training
+problems (640: each recurs every 20 steps, as in a multi-epoch run; replay and the budgets learn
+from a prompt's history); the table reports held-out greedy
 accuracy, the policy's sampled tokens (every sampling round, hint re-samples included; replayed rows
 are not sampled) and the gain per million sampled tokens. `opd` distils from the `grpo` run of the
 same seed (its final weights are the teacher), so `grpo` runs first; the teacher's own training
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, list[dict]]:
                 f"run.seed={seed}", f"run.output_dir={out}", f"run.name={method}-seed{seed}",
                 "run.overwrite=true", "run.console=false", f"train.steps={args.steps}",
                 f"eval.every={args.eval_every}", "eval.pass_k=0", f"checkpoint.every={args.steps}",
-                f"task.options.n_eval={args.n_eval}",
+                f"task.options.n_eval={args.n_eval}", f"task.options.max_train={args.max_train}",
             ])  # fmt: skip
             t0 = time.time()
             res = train(cfg)
@@ -133,6 +135,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--n-eval", type=int, default=300)
+    p.add_argument(
+        "--max-train", type=int, default=640,
+        help="RL prompts (the warm-up's first ones): 640 recur every 20 steps, which replay and "
+        "the budgets need",
+    )  # fmt: skip
     p.add_argument("--warmup-max-steps", type=int, default=3000)
     p.add_argument("--output-dir", default="runs/signal-methods")
     args = p.parse_args()
