@@ -346,3 +346,50 @@ def test_gsm8k_worked_solution_is_kept_for_the_hint_preset(tmp_path):
     words = ex["solution"].split()
     assert hook.hint_for(ex, 0).split() == words[: math.ceil(len(words) / 2)]  # half at step 0
     assert hook.hint_for(ex, 200) == ""  # annealed to nothing
+
+
+def test_hooks_under_two_processes_match_one(tiny_model_dir, tmp_path):
+    """Every process sees the whole gathered round, so hint re-samples (split over the processes
+    like any collect) and replay's buffer come out the same as with one process."""
+    import yaml
+    from safetensors.torch import load_file
+    from test_distributed import REWARDS_PY, _launch_two, _max_diff, _raw
+
+    from grouprl.runtime.checkpoint import CheckpointManager
+
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(REWARDS_PY)
+    hooks = {"rollout": {"hooks": [
+        {"type": "hint", "text": "solution_prefix", "column": "answer", "where": "response",
+         "unit": "characters", "start_fraction": 1.0, "end_fraction": 1.0},
+        {"type": "replay"}]}, "algorithm": {"engine_correction": "token_truncate"}}  # fmt: skip
+
+    def raw(out):
+        r = _raw(out, tiny_model_dir, reward_file)
+        r["rollout"] = {**r["rollout"], **hooks["rollout"]}
+        return {**r, "algorithm": hooks["algorithm"]}
+
+    config_path = tmp_path / "cfg.yaml"
+    config_path.write_text(yaml.safe_dump(raw(tmp_path / "two")))
+    _launch_two(config_path)
+    one = Path(train(validate(apply_overrides(raw(tmp_path / "one"), [])))["run_dir"])
+    two = tmp_path / "two" / "r"
+    a, b = CheckpointManager(one).latest(), CheckpointManager(two).latest()
+    assert _max_diff(load_file(a / "model/model.safetensors"),
+                     load_file(b / "model/model.safetensors")) < 5e-5  # fmt: skip
+    buf1, buf2 = (read_state(c)["rollout_hooks"]["replay"]["buffer"] for c in (a, b))
+    assert [k for k, _ in buf1] == [k for k, _ in buf2] and buf1
+    # the same successes; a row's sampling log-probs differ by float rounding with the batch the
+    # engine sampled it in (each process samples its share)
+    for (_, e1), (_, e2) in zip(buf1, buf2):
+        assert [{k: v for k, v in e.items() if k != "logp"} for e in e1] == [
+            {k: v for k, v in e.items() if k != "logp"} for e in e2
+        ]
+        for x, y in zip(e1, e2):
+            assert x["logp"] == pytest.approx(y["logp"], abs=1e-5)
+    rows1, rows2 = train_rows(one), train_rows(two)
+    assert sum(r["hooks/hint/rows"] for r in rows1) > 0
+    for r1, r2 in zip(rows1, rows2, strict=True):
+        assert {k: v for k, v in r1.items() if k.startswith("hooks/")} == {
+            k: v for k, v in r2.items() if k.startswith("hooks/")
+        }
