@@ -36,6 +36,7 @@ from grouprl.policies.dropout import disable_policy_dropout
 from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.policies.text.engines.sync import push_weights, release_engine
 from grouprl.rollouts.batching import single_pass as is_single_pass
+from grouprl.rollouts.budget.sampler import BudgetSampler
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
 from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.prompt_guard import apply_prompt_guard
@@ -90,10 +91,16 @@ def rollout_step(
     first_errors: dict[str, str] = {}
     scored = [0]  # samples the reward functions saw this step, over all sampling rounds
 
+    budget = sampler if isinstance(sampler, BudgetSampler) else None  # rollout.budget
+
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
-        got = workload.collect(policy, examples, first_group_id=first_id, step=step)
+        sizes = budget.group_sizes(examples) if budget else None  # allocate: G per prompt
+        more = {"group_sizes": sizes} if sizes else {}
+        got = workload.collect(policy, examples, first_group_id=first_id, step=step, **more)
+        if budget:  # every sampled group into the pass history, before any filter
+            budget.observe(got.rollout, step)
         scored[0] += got.scored
         for k, v in got.errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
@@ -108,6 +115,8 @@ def rollout_step(
         )
     else:
         rollout = one_round(0)
+    if budget:
+        metrics.update(budget.finish_step())  # GRESO's exploration update; budget/ metrics
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v

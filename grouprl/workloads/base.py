@@ -41,6 +41,8 @@ class Capabilities:
                          needs `rollout.examples`)
     prompt_guard:        rollout.max_prompt_tokens (over-long single-turn prompts filtered /
                          truncated before training)
+    budget:              rollout.budget greso / allocate (prompts skipped from their pass
+                         history; `collect` takes `group_sizes`, one G per example)
     """
 
     multi_process: bool = False
@@ -48,6 +50,7 @@ class Capabilities:
     per_sample_seeding: bool = False
     curriculum: bool = False
     prompt_guard: bool = False
+    budget: bool = False
 
 
 @dataclass
@@ -116,7 +119,8 @@ class Workload(Protocol):
     ) -> Collected:
         """One sampling round: `rollout.group_size` samples per example, scored. policy: the
         weights that sample (the trainer's, or the one_step_off worker's snapshot); group ids
-        first_group_id, first_group_id + 1, ... one per example; step: 0-based step index."""
+        first_group_id, first_group_id + 1, ... one per example; step: 0-based step index.
+        Workloads with the `budget` capability also take `group_sizes` (one G per example)."""
         ...
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
@@ -178,6 +182,7 @@ _ASKS = {
         "rollout.max_prompt_tokens",
         lambda cfg, world: cfg.rollout.max_prompt_tokens is not None,
     ),
+    "budget": ("rollout.budget", lambda cfg, world: cfg.rollout.budget.type != "none"),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked
 

@@ -94,7 +94,7 @@ class TextWorkload:
     name: ClassVar[str] = "text"
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
-        prompt_guard=True,
+        prompt_guard=True, budget=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -115,12 +115,26 @@ class TextWorkload:
         return self.cfg.rollout.max_new_tokens  # one completion
 
     def collect(
-        self, policy: Any, examples: list[dict], *, first_group_id: int, step: int
+        self,
+        policy: Any,
+        examples: list[dict],
+        *,
+        first_group_id: int,
+        step: int,
+        group_sizes: list[int] | None = None,
     ) -> Collected:
+        """group_sizes: one G per example (rollout.budget allocate); None: rollout.group_size."""
         cfg, first_errors = self.cfg, {}
         seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
+        sizes = group_sizes or [cfg.rollout.group_size] * len(examples)
+
+        def part_sizes(part: list[dict], first: int) -> int | list[int]:  # a process's share
+            lo = first - first_group_id
+            own = sizes[lo : lo + len(part)]
+            return own[0] if len(set(own)) == 1 else own
+
         rollout, errors = self.dist.gather_groups(examples, first_group_id, lambda part, first: (
-            collect(policy, part, cfg.rollout.group_size, self.params, self.reward_fns,
+            collect(policy, part, part_sizes(part, first), self.params, self.reward_fns,
                     first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
                     first_errors=first_errors)
         ))  # fmt: skip

@@ -22,6 +22,15 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 log-ratio) while TRL's RLOO exponentiates the summed log-ratio.
   reinforce_pp  verl's REINFORCE++-baseline example: k2 KL in the loss, coef 0.001, token_mean.
   gpg           plain REINFORCE surrogate, token_mean, no KL, no reference (verl example).
+  greso         GRESO (arXiv 2506.02177), from the official train-scripts/*_greso.sh and verl
+                config of Infini-AI-Lab/GRESO: GRPO, clip 0.2, token-mean loss, entropy bonus 0.001,
+                no KL, G = 8, DAPO dynamic sampling after the rollout, and the pre-rollout selector
+                rollout.budget greso (p_easy = p_hard = 0.5, target zero-variance 25%, 1/3 of it
+                easy, step 0.01 within [0.05, 0.95]). Deviations: max_sampling_rounds 10 caps the
+                dynamic-sampling rounds (the official loop has no cap); skipped prompts are
+                replaced by further draws instead of the official adaptive sampling batch size;
+                easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
+                greso.py lists every deviation of the selector).
 """
 
 from __future__ import annotations
@@ -275,6 +284,30 @@ TEXT_PRESETS: list[dict] = [
             "agent.omega": 1.0,
             "agent.norm": "mean_std_norm",
             "agent.invalid_penalty": 0.1,
+        },
+    ),
+    dict(
+        name="greso",
+        arxiv="2506.02177",
+        summary="GRPO + dynamic sampling, skipping prompts predicted zero-variance before rollout.",
+        settings={
+            **_GRPO_CORE,
+            "aggregation": "token_mean",
+            "entropy_coef": 0.001,
+            "dynamic_sampling": "zero_variance",
+            "max_sampling_rounds": 10,
+            "rollout.group_size": 8,
+            "rollout.budget": {
+                "type": "greso",
+                "p_easy": 0.5,
+                "p_hard": 0.5,
+                "target_zero_variance": 0.25,
+                "easy_share": 1 / 3,
+                "p_step": 0.01,
+                "p_min": 0.05,
+                "p_max": 0.95,
+                "min_keep": 0.01,
+            },
         },
     ),
 ]
