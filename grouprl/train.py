@@ -36,6 +36,7 @@ from grouprl.policies.dropout import disable_policy_dropout
 from grouprl.policies.precision import LossScaler, loss_scaler_for
 from grouprl.policies.text.engines.sync import push_weights, release_engine
 from grouprl.rollouts.batching import single_pass as is_single_pass
+from grouprl.rollouts.budget.sampler import BudgetSampler
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
 from grouprl.rollouts.filters import sample_until_full
 from grouprl.rollouts.hooks import HookContext, SignalHooks
@@ -94,6 +95,8 @@ def rollout_step(
     scored = [0]  # samples the reward functions saw this step, over all sampling rounds
     sampled = [0]  # action slots the policy generated this step (all rounds, hint re-samples)
 
+    budget = sampler if isinstance(sampler, BudgetSampler) else None  # rollout.budget
+
     def account(got: Collected) -> Rollout:
         scored[0] += got.scored
         sampled[0] += int(got.rollout.mask.sum())
@@ -106,14 +109,21 @@ def rollout_step(
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
-        rollout = account(workload.collect(policy, examples, first_group_id=first_id, step=step))
+        sizes = budget.group_sizes(examples) if budget else None  # allocate: G per prompt
+        more = {"group_sizes": sizes} if sizes else {}
+        rollout = account(
+            workload.collect(policy, examples, first_group_id=first_id, step=step, **more)
+        )
+        if budget:  # every sampled group into the pass history, before any filter or hook
+            budget.observe(rollout, step)
         if hooks:
 
             def resample(exs: list[dict], prefixes: list[str] | None, size: int) -> Rollout:
                 # group ids of their own (per-sample seeds come from them); the hook maps the
                 # rows back onto the failed groups' ids
                 got = workload.collect(policy, exs, first_group_id=HOOK_GROUP_IDS + first_id,
-                                       step=step, group_size=size, response_prefixes=prefixes)  # fmt: skip
+                                       step=step, group_sizes=[size] * len(exs),
+                                       response_prefixes=prefixes)  # fmt: skip
                 return account(got)
 
             rollout = hooks.apply(rollout, HookContext(step, weights, resample))
@@ -127,6 +137,8 @@ def rollout_step(
     else:
         rollout = one_round(0)
     metrics["rollout/sampled_actions"] = float(sampled[0])  # tokens (text); denoising steps (flows)
+    if budget:
+        metrics.update(budget.finish_step())  # GRESO's exploration update; budget/ metrics
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
     for k, v in dist.sum_counts(drain_reward_metrics(reward_fns)).items():  # isolated rewards'
         metrics[k] = metrics.get(k, 0.0) + v

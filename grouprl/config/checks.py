@@ -53,6 +53,18 @@ def check_combinations(cfg: Config) -> None:
             "sample with its own group, so a group of one has advantage 0 and nothing is learned; "
             "use group_size >= 2"
         )
+    b = r.budget
+    if b.type != "none" and cfg.curriculum.type != "none":
+        raise ValueError(
+            f"rollout.budget.type={b.type!r} with curriculum.type={cfg.curriculum.type!r}: both "
+            "choose the prompts; use one of them"
+        )
+    if b.type == "allocate" and b.min_group_size > r.group_size:
+        raise ValueError(
+            f"rollout.budget.min_group_size={b.min_group_size} > rollout.group_size="
+            f"{r.group_size}: the total prompts_per_step x group_size cannot give every prompt "
+            "that many samples"
+        )
     n = r.prompts_per_step * r.group_size
     if n % a.minibatches:
         raise ValueError(

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from grouprl.config.budget import BudgetConfig, NoBudget
 from grouprl.config.hooks import HookConfig
 from grouprl.config.section import Section
 
@@ -40,6 +41,11 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    budget: BudgetConfig = Field(
+        default_factory=NoBudget,
+        description="Rollout budget from each prompt's pass history: {type: none | greso | "
+        "allocate, ...} (grouprl/config/budget.py; text workload only).",
+    )
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,

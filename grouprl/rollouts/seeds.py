@@ -31,6 +31,21 @@ def turn_seed(seed: int, group_id: int, index: int, turn: int) -> int:
     return _seed_of(seed, group_id, index, turn)
 
 
-def group_seeds(seed: int, group_ids: list[int], group_size: int) -> list[int]:
-    """One seed per completion row, rows ordered group by group (G consecutive rows per group)."""
-    return [sample_seed(seed, int(g), j) for g in group_ids for j in range(group_size)]
+def group_seeds(seed: int, group_ids: list[int], group_size: int | list[int]) -> list[int]:
+    """One seed per completion row, rows ordered group by group (G consecutive rows per group);
+    group_size: one G for all groups, or one per group (rollout.budget allocate)."""
+    sizes = group_sizes(group_size, len(group_ids))
+    return [sample_seed(seed, int(g), j) for g, n in zip(group_ids, sizes) for j in range(n)]
+
+
+def group_sizes(group_size: int | list[int], n_groups: int) -> list[int]:
+    """One G per group from an int (the same for all) or a list (checked: one per group, >= 1)."""
+    if isinstance(group_size, int):
+        sizes = [group_size] * n_groups
+    else:
+        sizes = [int(g) for g in group_size]
+        if len(sizes) != n_groups:
+            raise ValueError(f"{len(sizes)} group sizes for {n_groups} groups: need one per group")
+    if any(g < 1 for g in sizes):
+        raise ValueError(f"every group_size must be >= 1, got {sizes}")
+    return sizes

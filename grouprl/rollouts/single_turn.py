@@ -10,13 +10,14 @@ import torch
 from grouprl.envs.rewards import RewardFn, score_completions
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.rollouts.seeds import group_sizes
 from grouprl.types import Rollout
 
 
 def collect(
     policy: Any,
     examples: list[dict],
-    group_size: int,
+    group_size: int | list[int],
     params: SamplingParams,
     reward_fns: dict[str, RewardFn],
     *,
@@ -28,6 +29,8 @@ def collect(
     response_prefixes: list[str] | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """Sample `group_size` completions for each example and score them with every reward function.
+    group_size: one G for all examples, or one per example (rollout.budget allocate: groups of
+    unequal sizes; every later stage keys on group ids, never on a fixed G).
 
     Group ids are first_group_id, first_group_id + 1, ... one per example, so that several calls
     (dynamic sampling rounds) never share an id. seed: per-sample generators seeded from
@@ -42,6 +45,7 @@ def collect(
     response_prefixes: one text per example forced as the start of its completions (hints,
     rollouts/hooks/hint.py; CausalLMPolicy.sample).
     """
+    sizes = group_sizes(group_size, len(examples))  # one G per example
     remote = {k: f for k, f in reward_fns.items() if getattr(f, "overlap", False)}
     chunks = max([int(getattr(f, "overlap_chunks", 1)) for f in remote.values()], default=1)
     chunks = max(1, min(chunks, len(examples)))
@@ -54,7 +58,7 @@ def collect(
         for lo, hi in zip(bounds, bounds[1:]):
             prefixes = None if response_prefixes is None else response_prefixes[lo:hi]
             part, extra = _sample(
-                policy, examples[lo:hi], group_size, params, first_group_id + lo, greedy, seed,
+                policy, examples[lo:hi], sizes[lo:hi], params, first_group_id + lo, greedy, seed,
                 prefixes,
             )  # fmt: skip
             parts.append(part)
@@ -77,7 +81,7 @@ def collect(
         local,
         completions,
         rollout.examples,
-        extra=_extra(batch, params, rollout.group_ids, group_size),
+        extra=_extra(batch, params, rollout.group_ids),
         fail_fast=fail_fast,
         first_errors=first_errors,
     )
@@ -89,7 +93,7 @@ def collect(
     return rollout, errors
 
 
-def _extra(batch: Any, params: SamplingParams, group_ids: Any, group_size: int) -> dict:
+def _extra(batch: Any, params: SamplingParams, group_ids: Any) -> dict:
     return {
         "completion_lengths": batch.lengths.tolist(),
         "truncated": batch.truncated.tolist(),
@@ -101,27 +105,28 @@ def _extra(batch: Any, params: SamplingParams, group_ids: Any, group_size: int) 
 def _sample(
     policy: Any,
     examples: list[dict],
-    group_size: int,
+    sizes: list[int],
     params: SamplingParams,
     first_group_id: int,
     greedy: bool,
     seed: int | None,
     response_prefixes: list[str] | None = None,
 ) -> tuple[Rollout, dict]:
-    """Sample one chunk of groups; its completions as rewards take them go in
+    """Sample one chunk of groups (sizes: one G per example); its completions as rewards take them go in
     info["_completions"] (removed before collect returns), its reward extras are returned."""
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
     if response_prefixes is not None:  # policies without forced starts never see the key
         seeded["response_prefixes"] = response_prefixes
+    same = len(set(sizes)) == 1  # one int for equal groups: any Policy.sample takes it
     rollout = policy.sample(
-        prompts, group_size, params, group_ids=group_ids, greedy=greedy, **seeded
+        prompts, sizes[0] if same else sizes, params, group_ids=group_ids, greedy=greedy, **seeded
     )
-    repeated = [ex for ex in examples for _ in range(group_size)]  # one example per completion
+    repeated = [ex for ex, n in zip(examples, sizes) for _ in range(n)]  # one per completion
     rollout.info["_completions"] = [
         [{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text
         for text, ex in zip(rollout.info["completion"], repeated)
     ]  # one per sample: a string, or TRL's message list for a conversational prompt
     rollout.examples = repeated
-    return rollout, _extra(rollout.actions, params, rollout.group_ids, group_size)
+    return rollout, _extra(rollout.actions, params, rollout.group_ids)

@@ -36,8 +36,8 @@ draw from the global RNG in an order that varies.
 
 Memory: one extra copy of the model. Refused, with a message: several processes (the worker's
 gathers would interleave with the trainer's collectives), rollout.engine vllm (its weights are
-pushed and it evaluates from the main thread), the DUMP curriculum (the trainer updates its
-sampler while the worker draws from it); workloads without the async_rollouts capability (agents,
+pushed and it evaluates from the main thread), the DUMP curriculum and rollout.budget (the
+trainer updates its sampler while the worker draws from it); workloads without the async_rollouts capability (agents,
 images) are refused by workloads/base.py.
 """
 
@@ -64,6 +64,7 @@ def check_async(cfg: Any, world: int) -> None:
         "several processes (accelerate launch)": world > 1,
         "rollout.engine 'vllm'": cfg.rollout.engine == "vllm",
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
+        "rollout.budget": cfg.rollout.budget.type != "none",
     }
     if getattr(cfg.train, "async_worker", "thread") == "process":
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())

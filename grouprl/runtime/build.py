@@ -12,6 +12,7 @@ import torch
 
 from grouprl.config.loading import Config
 from grouprl.envs.rewards import build_reward, overlong_reward
+from grouprl.rollouts.budget.sampler import BudgetSampler
 from grouprl.rollouts.curriculum import DumpSampler
 from grouprl.rollouts.prompt_sampler import PromptSampler
 
@@ -47,8 +48,13 @@ def build_rewards(cfg: Config, task, *, required: bool) -> tuple[dict, dict[str,
     return fns, weights
 
 
-def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler:
-    """Uniform seeded sampling, or the DUMP curriculum over the examples' data sources."""
+def build_sampler(cfg: Config, examples: list[dict]) -> PromptSampler | DumpSampler | BudgetSampler:
+    """Uniform seeded sampling, or the DUMP curriculum over the examples' data sources; wrapped
+    by rollout.budget's sampler when one is set (config checks refuse it with a curriculum)."""
+    b = cfg.rollout.budget
+    if b.type != "none":
+        inner = PromptSampler(examples, cfg.run.seed)
+        return BudgetSampler(inner, b, group_size=cfg.rollout.group_size, seed=cfg.run.seed)
     c = cfg.curriculum
     if c.type == "dump":
         return DumpSampler(

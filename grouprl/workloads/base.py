@@ -42,7 +42,9 @@ class Capabilities:
     prompt_guard:        rollout.max_prompt_tokens (over-long single-turn prompts filtered /
                          truncated before training)
     signal_hooks:        rollout.hooks (hint / replay for groups without signal: collect takes
-                         `group_size` and `response_prefixes`, the payload is a TokenBatch)
+                         `group_sizes` and `response_prefixes`, the payload is a TokenBatch)
+    budget:              rollout.budget greso / allocate (prompts skipped from their pass
+                         history; `collect` takes `group_sizes`, one G per example)
     """
 
     multi_process: bool = False
@@ -51,6 +53,7 @@ class Capabilities:
     curriculum: bool = False
     prompt_guard: bool = False
     signal_hooks: bool = False
+    budget: bool = False
 
 
 @dataclass
@@ -119,7 +122,8 @@ class Workload(Protocol):
     ) -> Collected:
         """One sampling round: `rollout.group_size` samples per example, scored. policy: the
         weights that sample (the trainer's, or the one_step_off worker's snapshot); group ids
-        first_group_id, first_group_id + 1, ... one per example; step: 0-based step index."""
+        first_group_id, first_group_id + 1, ... one per example; step: 0-based step index.
+        Workloads with the `budget` capability also take `group_sizes` (one G per example)."""
         ...
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
@@ -182,6 +186,7 @@ _ASKS = {
         lambda cfg, world: cfg.rollout.max_prompt_tokens is not None,
     ),
     "signal_hooks": ("rollout.hooks", lambda cfg, world: bool(cfg.rollout.hooks)),
+    "budget": ("rollout.budget", lambda cfg, world: cfg.rollout.budget.type != "none"),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked
 

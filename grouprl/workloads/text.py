@@ -94,7 +94,7 @@ class TextWorkload:
     name: ClassVar[str] = "text"
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
-        prompt_guard=True, signal_hooks=True,
+        prompt_guard=True, signal_hooks=True, budget=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -121,22 +121,24 @@ class TextWorkload:
         *,
         first_group_id: int,
         step: int,
-        group_size: int | None = None,
+        group_sizes: list[int] | None = None,
         response_prefixes: list[str] | None = None,
     ) -> Collected:
-        """group_size: samples per example (None: rollout.group_size); response_prefixes: one
-        forced completion start per example (rollout.hooks hint)."""
+        """group_sizes: one G per example (rollout.budget allocate, hint re-samples); None:
+        rollout.group_size. response_prefixes: one forced completion start per example
+        (rollout.hooks hint)."""
         cfg, first_errors = self.cfg, {}
         seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
-        size = group_size or cfg.rollout.group_size
+        sizes = group_sizes or [cfg.rollout.group_size] * len(examples)
 
         def make(part: list[dict], first: int) -> tuple[Rollout, dict]:
             lo = first - first_group_id  # a process's share is a contiguous run of the examples
+            own = sizes[lo : lo + len(part)]
             prefixes = None if response_prefixes is None else response_prefixes[lo : lo + len(part)]
             return collect(
-                policy, part, size, self.params, self.reward_fns, first_group_id=first,
-                fail_fast=cfg.run.fail_fast, seed=seed, first_errors=first_errors,
-                response_prefixes=prefixes,
+                policy, part, own[0] if len(set(own)) == 1 else own, self.params,
+                self.reward_fns, first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+                first_errors=first_errors, response_prefixes=prefixes,
             )  # fmt: skip
 
         rollout, errors = self.dist.gather_groups(examples, first_group_id, make)

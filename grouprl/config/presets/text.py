@@ -34,6 +34,15 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 tokens reweighted by pi_old / pi_behaviour truncated at 2 (engine_correction
                 token_truncate). Deviation: RePO adds 8 replayed samples to every group with their
                 own advantage normalisation; here they replace rows of all-fail groups only.
+  greso         GRESO (arXiv 2506.02177), from the official train-scripts/*_greso.sh and verl
+                config of Infini-AI-Lab/GRESO: GRPO, clip 0.2, token-mean loss, entropy bonus 0.001,
+                no KL, G = 8, DAPO dynamic sampling after the rollout, and the pre-rollout selector
+                rollout.budget greso (p_easy = p_hard = 0.5, target zero-variance 25%, 1/3 of it
+                easy, step 0.01 within [0.05, 0.95]). Deviations: max_sampling_rounds 10 caps the
+                dynamic-sampling rounds (the official loop has no cap); skipped prompts are
+                replaced by further draws instead of the official adaptive sampling batch size;
+                easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
+                greso.py lists every deviation of the selector).
 """
 
 from __future__ import annotations
@@ -319,6 +328,30 @@ TEXT_PRESETS: list[dict] = [
             "engine_correction": "token_truncate",
             "engine_correction_max": 2.0,
             "rollout.hooks": ({"type": "replay", "per_group": 1, "per_prompt": 4},),
+        },
+    ),
+    dict(
+        name="greso",
+        arxiv="2506.02177",
+        summary="GRPO + dynamic sampling, skipping prompts predicted zero-variance before rollout.",
+        settings={
+            **_GRPO_CORE,
+            "aggregation": "token_mean",
+            "entropy_coef": 0.001,
+            "dynamic_sampling": "zero_variance",
+            "max_sampling_rounds": 10,
+            "rollout.group_size": 8,
+            "rollout.budget": {
+                "type": "greso",
+                "p_easy": 0.5,
+                "p_hard": 0.5,
+                "target_zero_variance": 0.25,
+                "easy_share": 1 / 3,
+                "p_step": 0.01,
+                "p_min": 0.05,
+                "p_max": 0.95,
+                "min_keep": 0.01,
+            },
         },
     ),
 ]

@@ -33,7 +33,7 @@ from grouprl.policies.text.logprobs import completion_logprobs
 from grouprl.policies.text.lora import LoRASettings, add_lora
 from grouprl.policies.text.lora import lora_settings as _lora_settings
 from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
-from grouprl.rollouts.seeds import group_seeds
+from grouprl.rollouts.seeds import group_seeds, group_sizes
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
 
 # engines that generate with the policy's own model object, by rollout.engine name
@@ -144,7 +144,7 @@ class CausalLMPolicy:
     def sample(
         self,
         prompts: list[Prompt],
-        group_size: int,
+        group_size: int | list[int],
         params: SamplingParams,
         *,
         engine: TextEngine | None = None,
@@ -154,22 +154,22 @@ class CausalLMPolicy:
         response_prefixes: list[str] | None = None,
     ) -> Rollout:
         """G = group_size completions per prompt (consecutive rows); rewards are left empty.
+        group_size: one G for every prompt, or one per prompt (rollout.budget allocate).
         seed: sample j of group g draws from its own generator seeded by (seed, g, j)
         (engines/seeded.py), so a group's samples do not depend on the rest of the batch.
         response_prefixes: one text per prompt ("" for none) forced as the start of each of its
         completions (a hint, rollouts/hooks/hint.py): the engine continues after it; the prefix
         tokens are part of the completion (the reward sees them, scoring conditions on them) but
         masked out of the loss, with engine log-prob 0."""
-        if group_size < 1 or not prompts:
-            raise ValueError(
-                f"need >= 1 prompt and group_size >= 1, got {len(prompts)}, {group_size}"
-            )
+        if not prompts:
+            raise ValueError(f"need >= 1 prompt, got {len(prompts)}")
+        sizes = group_sizes(group_size, len(prompts))  # [B] ints, each >= 1
         if group_ids is None:
             group_ids = torch.arange(len(prompts))
         group_ids = torch.as_tensor(group_ids, dtype=torch.long)  # [B]
         if group_ids.shape != (len(prompts),):
             raise ValueError(f"group_ids must have one id per prompt ({len(prompts)})")
-        prompt_ids = [p for p in self.encode_prompts(prompts) for _ in range(group_size)]
+        prompt_ids = [p for p, n in zip(self.encode_prompts(prompts), sizes) for _ in range(n)]
         forced = [[] for _ in prompt_ids]  # per row: the forced completion start's token ids
         if response_prefixes is not None:
             if len(response_prefixes) != len(prompts):
@@ -178,7 +178,7 @@ class CausalLMPolicy:
                 )
             ids = [self.tokenizer.encode(t, add_special_tokens=False) if t else []
                    for t in response_prefixes]  # fmt: skip
-            forced = [i for i in ids for _ in range(group_size)]
+            forced = [i for i, n in zip(ids, sizes) for _ in range(n)]
         seeded = {}  # engines that take no seeds never see the key
         if seed is not None:
             seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
@@ -208,14 +208,14 @@ class CausalLMPolicy:
         )  # fmt: skip  # [N, T]
         batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
         return Rollout(
-            group_ids=group_ids.repeat_interleave(group_size),  # [N]
+            group_ids=group_ids.repeat_interleave(torch.tensor(sizes)),  # [N]
             rewards={},
             actions=batch,
             old_logp=engine_logp.clone(),  # [N, T]; train.py may recompute it with the trainer
             mask=loss_mask,  # [N, T]
             engine_logp=engine_logp,
             info={
-                "prompt": [p for p in prompts for _ in range(group_size)],
+                "prompt": [p for p, n in zip(prompts, sizes) for _ in range(n)],
                 "completion": self.tokenizer.batch_decode(completions, skip_special_tokens=True),
                 "completion_ids": completions,
             },
