@@ -44,6 +44,9 @@ METHODS: dict[str, list[str]] = {
     ],
     "replay": ["algorithm.preset=replay"],
     "greso": ["algorithm.preset=greso"],
+    # the greso preset without its selector: dynamic sampling alone, what GRESO saves tokens from
+    "greso_off": ["algorithm.preset=greso", "rollout.budget={type: none}"],
+    "allocate": ["algorithm.preset=grpo", "rollout.budget={type: allocate}"],
     "opd": ["algorithm.preset=opd"],  # + algorithm.distill.teacher: the grpo run's weights
 }
 

@@ -99,7 +99,8 @@ def rollout_step(
 
     def account(got: Collected) -> Rollout:
         scored[0] += got.scored
-        sampled[0] += int(got.rollout.mask.sum())
+        made = got.rollout.generated  # tree rollouts: a shared segment was generated once
+        sampled[0] += int(made.sum() if made is not None else got.rollout.mask.sum())
         for k, v in got.errors.items():
             errors_total[k] = errors_total.get(k, 0) + v
         for k, v in got.first_errors.items():

@@ -113,6 +113,10 @@ class Rollout:
     row_source:   Long[N]|None      where a row came from when rollout.hooks changed the batch:
                                     0 sampled, 1 re-sampled with a hint, 2 replayed from the buffer
                                     (ROW_SAMPLED / ROW_HINTED / ROW_REPLAYED)
+    tree_path / tree_segment / generated: tree rollouts (rollouts/fork.py): Long[N, D+1] node ids
+                                    along each row's path, Long[N, T] the depth of the segment
+                                    holding each slot (-1 padding), Long[N] actions this row
+                                    sampled itself (a shared segment counts once)
     info:         dict of per-sample lists for logs only (prompt text, completion text ...): the
                                     training loop never reads it
     """
@@ -132,6 +136,9 @@ class Rollout:
     anchor_keys: list | None = None
     examples: list[dict] | None = None
     row_source: Tensor | None = None
+    tree_path: Tensor | None = None
+    tree_segment: Tensor | None = None
+    generated: Tensor | None = None
     info: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -105,6 +105,7 @@ def check_combinations(cfg: Config) -> None:
             f"{a.surrogate.type!r} has no clip range (use type clip)"
         )
     check_hooks(cfg)
+    check_tree(cfg)
     if a.advantage == "dr_grpo" and a.scale != "none":
         warnings.warn(
             "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
@@ -141,3 +142,28 @@ def check_hooks(cfg: Config) -> None:
                 f"{h.column!r} column as the start of the completion",
                 stacklevel=2,
             )
+
+
+def check_tree(cfg: Config) -> None:
+    """rollout.tree: its leaves are the group; its branch points lie inside the completion."""
+    t, r = cfg.rollout.tree, cfg.rollout
+    if t.type == "none":
+        return
+    if t.leaves != r.group_size:
+        raise ValueError(
+            f"rollout.tree.branching={t.branching} gives {t.leaves} leaves per group, "
+            f"rollout.group_size={r.group_size}: set group_size to the product of branching"
+        )
+    from grouprl.rollouts.fork import check_tree as check_shape
+
+    check_shape(t.branching, t.branch_at, r.max_new_tokens)
+    if r.budget.type == "allocate":
+        raise ValueError(
+            "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "
+            "branching; use one of them"
+        )
+    if r.hooks:
+        raise ValueError(
+            "rollout.tree with rollout.hooks: a hint re-samples or replay replaces rows of a "
+            "group, which would cut its tree; use one of them"
+        )

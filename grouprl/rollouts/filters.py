@@ -66,7 +66,9 @@ def splice_rows(rollout: Rollout, keep: Tensor, extra: Rollout) -> Rollout:
 # per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
 # has the same width in every part and is joined as it is
 _TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
-                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
+                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1, "tree_segment": -1,
+                 "tree_path": -1}  # fmt: skip
+_OWN_WIDTH = {"tree_path"}  # [n, D+1]: padded to the widest of its own kind, not to T
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -84,8 +86,9 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         if isinstance(first, Tensor):
             if name in _TOKEN_FIELDS and first.dim() == 2:
                 pad = _TOKEN_FIELDS[name]
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
-                          for v in values]  # fmt: skip  # [n, width]
+                w = max(v.shape[1] for v in values) if name in _OWN_WIDTH else width
+                values = [torch.nn.functional.pad(v, (0, w - v.shape[1]), value=pad)
+                          for v in values]  # fmt: skip  # [n, w]
             return torch.cat(values)
         if isinstance(first, list):
             return [x for v in values for x in v]

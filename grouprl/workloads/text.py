@@ -94,7 +94,7 @@ class TextWorkload:
     name: ClassVar[str] = "text"
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
-        prompt_guard=True, signal_hooks=True, budget=True,
+        prompt_guard=True, signal_hooks=True, budget=True, tree_rollouts=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -130,6 +130,7 @@ class TextWorkload:
         cfg, first_errors = self.cfg, {}
         seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
         sizes = group_sizes or [cfg.rollout.group_size] * len(examples)
+        tree = cfg.rollout.tree if cfg.rollout.tree.type != "none" else None
 
         def make(part: list[dict], first: int) -> tuple[Rollout, dict]:
             lo = first - first_group_id  # a process's share is a contiguous run of the examples
@@ -138,7 +139,7 @@ class TextWorkload:
             return collect(
                 policy, part, own[0] if len(set(own)) == 1 else own, self.params,
                 self.reward_fns, first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
-                first_errors=first_errors, response_prefixes=prefixes,
+                first_errors=first_errors, response_prefixes=prefixes, tree=tree,
             )  # fmt: skip
 
         rollout, errors = self.dist.gather_groups(examples, first_group_id, make)

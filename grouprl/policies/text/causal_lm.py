@@ -151,16 +151,17 @@ class CausalLMPolicy:
         group_ids: list[int] | Tensor | None = None,
         greedy: bool = False,
         seed: int | None = None,
-        response_prefixes: list[str] | None = None,
+        response_prefixes: list[str | list[int]] | None = None,
     ) -> Rollout:
         """G = group_size completions per prompt (consecutive rows); rewards are left empty.
         group_size: one G for every prompt, or one per prompt (rollout.budget allocate).
         seed: sample j of group g draws from its own generator seeded by (seed, g, j)
         (engines/seeded.py), so a group's samples do not depend on the rest of the batch.
-        response_prefixes: one text per prompt ("" for none) forced as the start of each of its
-        completions (a hint, rollouts/hooks/hint.py): the engine continues after it; the prefix
-        tokens are part of the completion (the reward sees them, scoring conditions on them) but
-        masked out of the loss, with engine log-prob 0."""
+        response_prefixes: one text or token-id list per prompt ("" / [] for none) forced as the
+        start of each of its completions (a hint, rollouts/hooks/hint.py; token ids: a tree
+        rollout's shared segments exactly as sampled, rollouts/fork.py): the engine continues
+        after it; the prefix tokens are part of the completion (the reward sees them, scoring
+        conditions on them) but masked out of the loss, with engine log-prob 0."""
         if not prompts:
             raise ValueError(f"need >= 1 prompt, got {len(prompts)}")
         sizes = group_sizes(group_size, len(prompts))  # [B] ints, each >= 1
@@ -176,7 +177,8 @@ class CausalLMPolicy:
                 raise ValueError(
                     f"response_prefixes must have one text per prompt ({len(prompts)})"
                 )
-            ids = [self.tokenizer.encode(t, add_special_tokens=False) if t else []
+            ids = [list(t) if not isinstance(t, str)
+                   else self.tokenizer.encode(t, add_special_tokens=False) if t else []
                    for t in response_prefixes]  # fmt: skip
             forced = [i for i, n in zip(ids, sizes) for _ in range(n)]
         seeded = {}  # engines that take no seeds never see the key
