@@ -100,31 +100,39 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, list[dict]]:
 
 
 def report(results: dict[str, list[dict]], out: Path, steps: int) -> str:
+    """The table: mean ± sample std over seeds, and each method's after-accuracy minus grpo's on
+    the same seed (paired: the seeds' warm-ups differ by more than the methods do)."""
+
     def ms(xs: list[float], digits: int = 1) -> str:
+        if not xs:
+            return "—"
         if len(xs) == 1:
             return f"{xs[0]:.{digits}f}"
         return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
+    base = {r["seed"]: r for r in results.get("grpo", [])}
     lines = [f"held-out greedy accuracy (%) after {steps} steps; mean ± sample std over seeds",
-             "", "| method | seeds | before | after | gain | sampled tokens (k) | gain per M tokens "
-             "| seconds/run |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "", "| method | seeds | before | after | after − grpo (same seed) | sampled tokens (k) "
+             "| gain per M tokens | seconds/run |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method, rows in results.items():
         rows = sorted(rows, key=lambda r: r["seed"])
         after = [100 * r["after"] for r in rows]
+        paired = [100 * (r["after"] - base[r["seed"]]["after"]) for r in rows if r["seed"] in base]
         gain = [100 * (r["after"] - r["before"]) for r in rows]
         tokens = [r["sampled_tokens"] / 1e3 for r in rows]
         per_m = [g / (t / 1e3) for g, t in zip(gain, tokens)]
         before = statistics.mean(100 * r["before"] for r in rows)
         secs = statistics.mean(r["seconds"] for r in rows)
-        lines.append(f"| {method} | {len(rows)} | {before:.1f} | {ms(after)} | {ms(gain)} | "
-                     f"{ms(tokens, 0)} | {ms(per_m)} | {secs:.0f} |")  # fmt: skip
-    lines += ["", "| method | " + " | ".join(f"seed {r['seed']}" for r in
-                                             sorted(next(iter(results.values())),
-                                                    key=lambda r: r["seed"])) + " |"]  # fmt: skip
-    lines.append("|---" * (1 + len(next(iter(results.values())))) + "|")
+        lines.append(f"| {method} | {len(rows)} | {before:.1f} | {ms(after)} | "
+                     f"{ms(paired) if method != 'grpo' else '—'} | {ms(tokens, 0)} | {ms(per_m)} "
+                     f"| {secs:.0f} |")  # fmt: skip
+    seeds = sorted({r["seed"] for rows in results.values() for r in rows})
+    lines += ["", "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "|---" * (1 + len(seeds)) + "|"]  # fmt: skip
     for method, rows in results.items():
-        rows = sorted(rows, key=lambda r: r["seed"])
-        cells = [f"{100 * r['before']:.1f} → {100 * r['after']:.1f}" for r in rows]
+        by_seed = {r["seed"]: r for r in rows}
+        cells = [f"{100 * by_seed[s]['before']:.1f} → {100 * by_seed[s]['after']:.1f}"
+                 if s in by_seed else "—" for s in seeds]  # fmt: skip
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     (out / "signal_methods.md").write_text(text + "\n")
@@ -145,7 +153,22 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--warmup-max-steps", type=int, default=3000)
     p.add_argument("--output-dir", default="runs/signal-methods")
+    p.add_argument(
+        "--collect", nargs="+", metavar="DIR",
+        help="only report: merge the results of these output directories (e.g. one per seed, run "
+        "side by side) into --output-dir",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.collect:
+        merged: dict[str, list[dict]] = {}
+        for d in args.collect:
+            for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
+                merged.setdefault(method, []).extend(rows)
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "signal_methods.json").write_text(json.dumps(merged, indent=1))
+        print(report({m: merged[m] for m in METHODS if m in merged}, out, args.steps))
+        return
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     console = Console()
