@@ -107,8 +107,8 @@ def rollout_step(
             first_errors.setdefault(k, v)
         return got.rollout
 
-    def one_round(round_index: int) -> Rollout:
-        examples = sampler.next(r.prompts_per_step)
+    def one_round(round_index: int, n_prompts: int | None = None) -> Rollout:
+        examples = sampler.next(n_prompts or r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
         sizes = budget.group_sizes(examples) if budget else None  # allocate: G per prompt
         more = {"group_sizes": sizes} if sizes else {}
@@ -133,7 +133,7 @@ def rollout_step(
     metrics: dict[str, float] = {}
     if a.dynamic_sampling == "zero_variance":
         rollout, metrics = sample_until_full(
-            one_round, weights, r.prompts_per_step, a.max_sampling_rounds
+            one_round, weights, r.prompts_per_step, a.max_sampling_rounds, a.resample_size
         )
     else:
         rollout = one_round(0)

@@ -159,9 +159,10 @@ class FakeSampler:
     def __init__(self, rounds):
         self.rounds, self.calls = rounds, []
 
-    def __call__(self, round_index):
+    def __call__(self, round_index, size=None):
         self.calls.append(round_index)
-        groups = self.rounds[round_index]
+        self.sizes = [*getattr(self, "sizes", []), size]
+        groups = self.rounds[round_index]  # as scripted, whatever size was asked
         ids = [10 * round_index + j for j, _ in enumerate(groups) for _ in range(2)]
         acc = [v for pair in groups for v in pair]
         return _rollout(ids, {"acc": acc})
@@ -174,7 +175,8 @@ def test_sample_until_full_stops_when_full_and_truncates():
     assert out.group_ids.tolist() == [0, 0, 10, 10]  # 3 kept, truncated to exactly 2 groups
     assert out.rewards["acc"].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert out.info["completion"] == ["c0", "c0", "c10", "c10"]
-    assert m == {"dynamic/rounds": 2.0, "dynamic/kept_frac": 3 / 4}
+    assert m == {"dynamic/rounds": 2.0, "dynamic/kept_frac": 3 / 4, "dynamic/prompts": 4.0}
+    assert fake.sizes == [2, 2]  # full rounds (DAPO)
 
 
 def test_sample_until_full_truncates_within_one_round():
@@ -190,25 +192,38 @@ def test_sample_until_full_caps_rounds_and_trains_on_what_it_has():
     out, m = sample_until_full(fake, {"acc": 1.0}, groups_wanted=2, max_rounds=3)
     assert fake.calls == [0, 1, 2]
     assert out.group_ids.tolist() == [11, 11]
-    assert m == {"dynamic/rounds": 3.0, "dynamic/kept_frac": 1 / 6}
+    assert m == {"dynamic/rounds": 3.0, "dynamic/kept_frac": 1 / 6, "dynamic/prompts": 6.0}
 
 
 def test_sample_until_full_none_when_nothing_kept():
     fake = FakeSampler([[FLAT, [nan, 1.0]], [[nan, nan], FLAT]])
     out, m = sample_until_full(fake, {"acc": 1.0}, groups_wanted=1, max_rounds=2)
     assert out is None
-    assert m == {"dynamic/rounds": 2.0, "dynamic/kept_frac": 0.0}
+    assert m == {"dynamic/rounds": 2.0, "dynamic/kept_frac": 0.0, "dynamic/prompts": 4.0}
 
 
 def test_sample_until_full_uses_weighted_combined_reward():
     # acc is flat, fmt varies: with fmt weighted 0 the group is flat, with weight 1 it is kept
-    def one_round(_):
+    def one_round(*_):
         return _rollout([0, 0], {"acc": [1.0, 1.0], "fmt": [0.0, 1.0]})
 
     out, _ = sample_until_full(one_round, {"acc": 1.0, "fmt": 0.0}, 1, 1)
     assert out is None
     out, _ = sample_until_full(one_round, {"acc": 1.0, "fmt": 1.0}, 1, 1)
     assert out.group_ids.tolist() == [0, 0]
+
+
+def test_resample_size_needed_samples_what_the_kept_share_says():
+    # round 0: 3 of 4 groups kept -> 1 missing / (3/4) -> ceil(4/3) = 2 prompts next;
+    # round 1: 0 of 2 kept -> 1 missing / (3/6) = 2 prompts; round 2: fills it
+    fake = FakeSampler([[MIXED, MIXED, FLAT, MIXED], [FLAT, FLAT], [MIXED, FLAT]])
+    out, m = sample_until_full(fake, {"acc": 1.0}, 4, 5, resample_size="needed")
+    assert fake.sizes == [4, 2, 2] and m["dynamic/prompts"] == 8.0
+    assert len(out.group_ids.unique()) == 4
+    # a first round that keeps nothing says nothing about the share: the next one is full
+    fake = FakeSampler([[FLAT, FLAT], [MIXED, FLAT]])
+    sample_until_full(fake, {"acc": 1.0}, 2, 2, resample_size="needed")
+    assert fake.sizes == [2, 2]
 
 
 @pytest.mark.parametrize("wanted", [1, 3])

@@ -72,6 +72,11 @@ class AlgorithmConfig(Section):
     engine_correction_min: float = Field(0.0, ge=0, description="Lower IS-weight threshold.")
     dynamic_sampling: Literal["off", "zero_variance"] = Field("off", description="DAPO filter.")
     max_sampling_rounds: int = Field(3, ge=1, description="Generation rounds per step at most.")
+    resample_size: Literal["full", "needed"] = Field(
+        "full",
+        description="Prompts of each later dynamic-sampling round: full (prompts_per_step, as "
+        "DAPO) or needed (the missing groups / the share kept so far, as GRESO's adaptive batch).",
+    )
     overlong_shaping: Literal["off", "soft"] = Field("off", description="DAPO overlong penalty.")
     overlong_buffer_frac: float = Field(0.2, gt=0, le=1, description="L_cache / L_max.")
     overlong_factor: float = Field(1.0, ge=0, description="Overlong penalty at L_max.")

@@ -101,21 +101,29 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
 
 
 def sample_until_full(
-    sample_round: Callable[[int], Rollout],
+    sample_round: Callable[[int, int], Rollout],
     weights: dict[str, float],
     groups_wanted: int,
     max_rounds: int,
+    resample_size: str = "full",
 ) -> tuple[Rollout | None, dict[str, float]]:
-    """Call `sample_round(round_index)` until `groups_wanted` informative groups are collected.
+    """Call `sample_round(round_index, prompts)` until `groups_wanted` informative groups are
+    collected. The first round samples groups_wanted prompts; a later one as many again (full,
+    DAPO) or, with resample_size "needed", ceil(missing / share of groups kept so far), at most
+    groups_wanted (GRESO's adaptive batch size, arXiv 2506.02177: sample what the observed
+    zero-variance rate says will fill the batch; a round that keeps too few is followed by more).
 
     Returns the kept rollout truncated to `groups_wanted` groups (None if no group was kept) and
-    metrics: rounds used, fraction of groups kept.
+    metrics: rounds used, fraction of groups kept, prompts sampled.
     """
     kept: list[Rollout] = []
     n_kept = n_seen = 0
     rounds = 0
     while n_kept < groups_wanted and rounds < max_rounds:
-        part = sample_round(rounds)
+        size = groups_wanted
+        if rounds and resample_size == "needed" and n_kept:
+            size = min(groups_wanted, math.ceil((groups_wanted - n_kept) * n_seen / n_kept))
+        part = sample_round(rounds, size)
         rounds += 1
         keep = informative_groups(combined_reward(part.rewards, weights), part.group_ids)  # [N]
         n_seen += len(torch.unique(part.group_ids))
@@ -123,7 +131,8 @@ def sample_until_full(
             part = part.select(keep.nonzero().squeeze(1))
             kept.append(part)
             n_kept += len(torch.unique(part.group_ids))
-    metrics = {"dynamic/rounds": float(rounds), "dynamic/kept_frac": n_kept / max(n_seen, 1)}
+    metrics = {"dynamic/rounds": float(rounds), "dynamic/kept_frac": n_kept / max(n_seen, 1),
+               "dynamic/prompts": float(n_seen)}  # fmt: skip
     if not kept:
         return None, metrics
     out = cat_rollouts(kept)

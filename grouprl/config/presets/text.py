@@ -39,9 +39,11 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 no KL, G = 8, DAPO dynamic sampling after the rollout, and the pre-rollout selector
                 rollout.budget greso (p_easy = p_hard = 0.5, target zero-variance 25%, 1/3 of it
                 easy, step 0.01 within [0.05, 0.95]). Deviations: max_sampling_rounds 10 caps the
-                dynamic-sampling rounds (the official loop has no cap); skipped prompts are
-                replaced by further draws instead of the official adaptive sampling batch size;
-                easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
+                dynamic-sampling rounds (the official loop has no cap); the first round's skipped
+                prompts are replaced by further draws, and each later round samples what the
+                kept share says is missing (algorithm.resample_size needed: the official adaptive
+                sampling batch size, estimated from this step's rounds instead of a running
+                average); easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
                 greso.py lists every deviation of the selector).
 """
 
@@ -340,6 +342,7 @@ TEXT_PRESETS: list[dict] = [
             "entropy_coef": 0.001,
             "dynamic_sampling": "zero_variance",
             "max_sampling_rounds": 10,
+            "resample_size": "needed",
             "rollout.group_size": 8,
             "rollout.budget": {
                 "type": "greso",
