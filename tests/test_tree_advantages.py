@@ -76,6 +76,16 @@ def test_node_values_by_hand():
     _close(node_values(PARENT, LEAVES, REWARDS), [0.25, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0])
 
 
+def test_a_row_may_end_at_an_inner_node():
+    # a fifth row stops inside A (its leaf is A itself): it counts in V(A) and V(R), not below A
+    nodes = torch.cat([NODES, torch.tensor([[0, 0, 1, 1, -1, -1]])])
+    r = torch.cat([REWARDS, torch.tensor([1.0])])
+    _close(node_values(PARENT, torch.tensor([3, 4, 5, 6, 1]), r), [0.4, 2 / 3, 0, 1, 0, 0, 0])
+    out = tree_token_advantages(PARENT, nodes, nodes >= 0, r, torch.zeros(5), mode="segment")
+    _close(out[4], [0.0, 0.0, 2 / 3 - 0.4, 2 / 3 - 0.4, 0.0, 0.0])
+    _close(shared_segment_scales(nodes, nodes >= 0)[:, 0], [0.2] * 5)
+
+
 def test_segment_advantages_by_hand():
     v = node_values(PARENT, LEAVES, REWARDS)
     # child value - parent value; the root 0 (= V(R) - group mean, which is 0 too)
@@ -140,6 +150,13 @@ def test_tree_grpo_by_hand():
     # unbiased std sqrt((3/16 + 9/16) / 3) = 1/2 -> 1/2, -3/2, 1/2, 1/2
     want = torch.tensor([H + 0.5, -H - 1.5, 0.5, 0.5], dtype=torch.float64)
     _close(out, want[:, None].expand(4, 2))
+    # the official code's eps = 1e-6: each level divides by (std + 1e-6)
+    out6 = tree_token_advantages(
+        parent, nodes, nodes >= 0, r, trees, mode="tree_grpo", prompt_ids=prompt, eps=1e-6
+    )
+    want6 = [0.5 / (H + 1e-6) + 0.25 / (0.5 + 1e-6), -0.5 / (H + 1e-6) - 0.75 / (0.5 + 1e-6),
+             0.25 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6)]  # fmt: skip
+    _close(out6[:, 0], want6)
     # without prompt_ids the prompt is the tree: inter = intra
     out1 = tree_token_advantages(parent, nodes, nodes >= 0, r, trees, mode="tree_grpo", eps=0.0)
     _close(out1, torch.tensor([2 * H, -2 * H, 0.0, 0.0])[:, None].expand(4, 2))

@@ -46,27 +46,30 @@ Per-slot modes (`TREE_MODES`, `tree_token_advantages`); A^G_i is the plain GRPO 
               slot of node n in row i when parent(n) has >= 2 children (a branch token), 0 on every
               other slot (TEMPO, arXiv 2509.18314: GRPO plus branch-gated TD corrections; within a
               segment V does not change, so the TD error V(s_{t+1}) - V(s_t) is nonzero only where
-              a child segment starts).
-  tree_grpo   A^intra_i + A^inter_i on every slot of row i (Tree-GRPO, arXiv 2509.21240): intra =
-              GRPO over the rows of the tree (group_ids), inter = GRPO over the rows of every tree
-              of the same prompt (`prompt_ids`, Long[N]; default group_ids, which makes inter =
-              intra, i.e. 2 A^G).
+              a child segment starts; our reading of the paper's description).
+  tree_grpo   A^intra_i + A^inter_i on every slot of row i (Tree-GRPO, arXiv 2509.21240; read in
+              its official code, AMAP-ML/Tree-GRPO verl/trainer/ppo/ray_trainer_ts.py, estimator
+              "tree" that every tree-search script uses): intra = GRPO over the rows of the tree
+              (group_ids), inter = GRPO over the rows of every tree of the same prompt
+              (`prompt_ids`, Long[N]; default group_ids, which makes inter = intra, i.e. 2 A^G).
   treerl      (GA(n) + LA(n)) / sqrt(L(n)) on every slot of node n, GA = V(n) - V(root(n)),
               LA = V(n) - V(parent(n)), L(n) = number of valid leaves under n; roots 0 (TreeRL,
-              arXiv 2506.11902, as its public verl-based code computes it).
+              arXiv 2506.11902: the paper's step reward, as a public verl port computes it).
 Every mode gives exactly 0 on masked slots, on padding, for invalid (NaN) nodes and in degenerate
 trees (one row, or all rewards equal): no NaN leaves a function.
 
 `shared_segment_scales(node_of_row, mask)`: s = 1 / k(n), k(n) = number of rows whose path holds n,
 so a segment shared by k leaves counts once when the loss sums rows. On a flat group whose rows
 share literal token prefixes, with the prefix trie as the tree, this is lambda-GRPO's
-`prefix_share_scales` (token_scales.py) exactly. Use it with the per-row modes (leaf_group, tempo,
-tree_grpo) and with the per-node modes segment / treerpo so that a node is trained once, as those
-papers train each segment once; TreeRL's 1/sqrt(L) already is that paper's weighting of a node that
-appears in L leaf paths, so mode treerl is meant WITHOUT the scales.
+`prefix_share_scales` (token_scales.py) exactly. The scales are a separate, optional multiplier
+(like token_scales.py): the papers differ. Tree-GRPO's code trains every leaf path as its own
+sample, shared prefix included (no scales); TEMPO, as described, adds its TD term to GRPO's
+per-sample loss (no scales); TreeRL's 1/sqrt(L) is already its weighting of a node met in L leaf
+paths (no scales); TreeRPO trains each node's segment once [unconfirmed], i.e. modes segment /
+treerpo WITH the scales.
 
-Deviations and unconfirmed points (the papers' code could not all be read; see the report of
-issue #19):
+Deviations and unconfirmed points (official code read for Tree-GRPO and TreeRL; TreeRPO's and
+TEMPO's code could not be read here):
   - TreeRPO [unconfirmed]: the official code (yangzhch6/TreeRPO) could not be read here; the
     step-level group advantage is implemented as GRPO's standardisation over siblings from the
     paper's description ("group-relative rewards computed within step-level groups"). The paper's
@@ -75,10 +78,16 @@ issue #19):
   - TEMPO [unconfirmed coefficient]: td_coef defaults to 1.0 (the paper's weighting could not be
     read). V is the plain mean of the raw (binary) leaf rewards, as P2T defines it; the GRPO term
     is std-normalised, the TD term is not.
-  - Tree-GRPO: both levels are standardised GRPO advantages (mean and unbiased std + eps) and summed
-    with weight 1 each; degenerate levels give 0 (our convention, advantages.py).
-  - TreeRL: the public implementation read (an MCTS-node verl port) replaces a local advantage of
-    exactly 0 by the previous node's along the path; not done here. L(n) counts valid leaves only.
+  - Tree-GRPO (official code read): both levels are (r - mean) / (unbiased std + eps), summed
+    with weight 1, on every response token of the leaf path; shared prefixes count once per leaf
+    there too (no scales). Deviations: eps defaults to 1e-4 here (the code: 1e-6; pass eps=1e-6);
+    a group of one gets 0 (the code gives it mean 0 and std 1, i.e. its raw reward).
+  - TreeRL: the official code (THUDM/TreeRL, openrlhf/trainer/ppo_utils/parallel_mcts.py and
+    tree_node.py) reaches its step reward through options we do not reproduce: leaf rewards are
+    centred leave-one-out (r_i - mean of the other K - 1 leaves), which scales GA and LA by
+    K / (K - 1) against the plain means used here; an optional 1/sqrt reweighting of accumulated
+    values over the selected leaves; token-level mean removal over all steps; a local advantage of
+    exactly 0 replaced by the previous node's along the path. Mode treerl is the paper's formula.
   - NaN rewards: the row's own leaf gets no value (its advantage is 0 in every mode); shared nodes
     above it take their value from the other leaves. The row still counts in k(n) of the scales
     (its tokens exist), so the leaf_group identity above holds only when all rewards are valid.
