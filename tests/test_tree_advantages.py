@@ -15,6 +15,7 @@ from grouprl.objectives.tree import (
     node_values,
     segment_advantages,
     shared_segment_scales,
+    tree_from_paths,
     tree_token_advantages,
 )
 
@@ -171,6 +172,8 @@ def test_treerl_by_hand():
 def test_shared_segment_scales_by_hand():
     s = torch.tensor([1 / 4, 1 / 2, 1 / 2, 1, 1, 1, 1], dtype=torch.float64)
     _close(shared_segment_scales(NODES, MASK), _per_node(s))
+    # summed over the batch they count every generated slot once: R 2 + A 2 + B 2 + leaves 7
+    assert float(shared_segment_scales(NODES, MASK).sum()) == 13.0
     # masked slots of a node get 0 but the row still passes through the node
     mask = MASK.clone()
     mask[0, :2] = False
@@ -353,6 +356,53 @@ def test_permuting_rows_permutes_the_outputs(mode):
     assert torch.equal(shared_segment_scales(nodes[perm], mask[perm]), scales[perm])
 
 
+# ----------------------------------------------------------------------------- from rollouts
+
+
+def test_tree_from_paths_reads_the_rollout_fields():
+    # the hand tree as rollouts/fork.py numbers it (root = group id * 2**20, children in creation
+    # order); tree_segment names the path column of each slot (0: the root's own slots here)
+    root = 7 * 2**20
+    path = torch.tensor([[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]]) + root
+    seg = torch.tensor([[0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, -1], [0, 0, 1, 1, 2, 2],
+                        [0, 0, 1, 1, 2, 2]])  # fmt: skip
+    parent, nodes = tree_from_paths(path, seg)
+    assert torch.equal(parent, PARENT) and torch.equal(nodes, NODES)
+
+
+def test_tree_from_paths_with_finished_copies_an_empty_segment_and_unordered_ids():
+    # root 50; 40 -> {30, 31}; 41 finished at depth 1 (two rows are its copies, -1 after it);
+    # 42 holds no slot (an empty segment) -> 32. Ids shrink with depth: renumbered by depth.
+    path = torch.tensor([[50, 40, 30], [50, 40, 31], [50, 41, -1], [50, 41, -1], [50, 42, 32]])
+    seg = torch.tensor([[1, 2, 2], [1, 2, -1], [1, 1, -1], [1, 1, -1], [2, 2, -1]])
+    parent, nodes = tree_from_paths(path, seg)
+    # dense ids: 50 -> 0; 40, 41, 42 -> 1, 2, 3; 30, 31, 32 -> 4, 5, 6
+    assert parent.tolist() == [-1, 0, 0, 0, 1, 1, 3]
+    assert nodes.tolist() == [[1, 4, 4], [1, 5, -1], [2, 2, -1], [2, 2, -1], [6, 6, -1]]
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    leaf = nodes.max(1).values
+    # the copies count with their multiplicity: V(41) = 1 from two rows, V(root) = 3/5
+    _close(node_values(parent, leaf, r), [0.6, 0.5, 1.0, 0.0, 1.0, 0.0, 0.0])
+    mask = nodes >= 0
+    for mode in TREE_MODES.names():  # the row through the empty segment passes the checks
+        out = tree_token_advantages(parent, nodes, mask, r, torch.zeros(5), mode=mode)
+        assert torch.isfinite(out).all() and (out[~mask] == 0).all(), mode
+    seg_adv = tree_token_advantages(parent, nodes, mask, r, torch.zeros(5), mode="segment")
+    # row 0: 40 gets 1/2 - 3/5, 30 gets 1 - 1/2; row 4: 32 gets V(32) - V(42) = 0 (the empty
+    # segment 42 has a = -3/5 but no slot to carry it)
+    _close(seg_adv[0], [-0.1, 0.5, 0.5])
+    _close(seg_adv[4], [0.0, 0.0, 0.0])
+
+
+def test_tree_from_paths_refuses_inconsistent_paths():
+    with pytest.raises(ValueError, match="two parents"):
+        tree_from_paths(torch.tensor([[1, 2, 4], [1, 3, 4]]), torch.tensor([[2], [2]]))
+    with pytest.raises(ValueError, match="only as a tail"):
+        tree_from_paths(torch.tensor([[1, -1, 4]]), torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="is -1 for its row"):
+        tree_from_paths(torch.tensor([[1, 2, -1]]), torch.tensor([[2]]))
+
+
 # ----------------------------------------------------------------------------- contract checks
 
 
@@ -361,7 +411,7 @@ def test_contract_violations_fail_loudly():
         node_values(torch.tensor([-1, 2, 0]), torch.tensor([1]), torch.tensor([1.0]))
     bad = NODES.clone()
     bad[0, 4] = 5  # A -> B1 is not a parent -> child step
-    with pytest.raises(ValueError, match="not its child"):
+    with pytest.raises(ValueError, match="not below it"):
         tree_token_advantages(PARENT, bad, bad >= 0, REWARDS, ONE_GROUP)
     mask = MASK.clone()
     mask[1, 5] = True  # a loss slot on padding

@@ -9,13 +9,21 @@ The contract (what tree rollouts fill; rollouts/fork records it):
   node_of_row  Long[N, T]  for each sample row (one root-to-leaf path) and action slot t, the node
                            whose segment holds slot t; -1 on padding. Along a row the nodes are the
                            path's nodes in order (so they never decrease), and each change of node
-                           goes from a node to one of its children. A root may hold no slot (the
-                           prompt); a row's last node is its leaf (`leaf_node`).
+                           goes from a node down to one of its descendants (its child, unless the
+                           nodes between hold no slot). A node may hold no slot (a root that is
+                           the prompt, an empty segment); a row's last node is its leaf
+                           (`leaf_node`). Several rows may end at the same leaf (copies of a path
+                           that finished early): each counts with its reward.
   rewards      Float[N]    one outcome reward per row (per leaf path); NaN = the reward failed.
   group_ids    Long[N]     one tree = one group (every row of a tree has the tree's group id and
                            every group is exactly one tree).
   mask         Bool[N, T]  the loss mask; slots of a node may be masked (an agent's environment
                            tokens) and still belong to it.
+
+`tree_from_paths(tree_path, tree_segment)` builds (parent, node_of_row) from the Rollout's tree
+fields as rollouts/fork.py records them (tree_path Long[N, D+1]: node ids along each row's path,
+root first, -1 past a finished path's depth; tree_segment Long[N, T]: the depth of the segment
+holding each slot, -1 on padding); nodes are renumbered 0..M-1 by depth, then id.
 
 Definitions (each function's docstring repeats its own):
   node value       V(n) = mean of the valid rewards of the rows whose leaf is n or below n
@@ -78,6 +86,8 @@ TEMPO's code could not be read here):
   - TEMPO [unconfirmed coefficient]: td_coef defaults to 1.0 (the paper's weighting could not be
     read). V is the plain mean of the raw (binary) leaf rewards, as P2T defines it; the GRPO term
     is std-normalised, the TD term is not.
+  - TEMPO, empty segments: a node that holds no slot (an empty segment) has no token to carry its
+    TD term, which is dropped; its children's terms are kept.
   - Tree-GRPO (official code read): both levels are (r - mean) / (unbiased std + eps), summed
     with weight 1, on every response token of the leaf path; shared prefixes count once per leaf
     there too (no scales). Deviations: eps defaults to 1e-4 here (the code: 1e-6; pass eps=1e-6);
@@ -156,15 +166,21 @@ def _check_rows(parent: Tensor, node_of_row: Tensor, mask: Tensor) -> None:
     if (mask & (node_of_row < 0)).any():
         row = int(torch.nonzero(mask & (node_of_row < 0))[0, 0])
         raise ValueError(f"row {row} has a loss-mask slot with node -1 (padding must be masked)")
-    # consecutive slots that hold nodes: same node, or a step from a node to its child
+    # consecutive slots that hold nodes: the same node, or a step down to a descendant (to a child
+    # unless a node between them holds no slot, e.g. an empty segment)
     a, b = node_of_row[:, :-1], node_of_row[:, 1:]  # [N, T-1]
     step = (a >= 0) & (b >= 0) & (a != b)  # [N, T-1]
-    ok = parent[b.clamp(min=0)] == a  # [N, T-1]
-    if (step & ~ok).any():
-        i, t = (int(x) for x in torch.nonzero(step & ~ok)[0])
+    src, dst = a[step].long(), b[step].long()  # [S] the steps only
+    ok = torch.zeros_like(src, dtype=torch.bool)  # [S]
+    up = parent[dst].long()  # [S] climb from dst towards its root, one level a pass
+    while bool((up >= 0).any()):
+        ok |= up == src
+        up = torch.where(up >= 0, parent[up.clamp(min=0)].long(), up)  # [S]
+    if not ok.all():
+        i, t = (int(x) for x in torch.nonzero(step)[int(torch.nonzero(~ok)[0])])
         raise ValueError(
             f"row {i}: slot {t} holds node {int(a[i, t])} and slot {t + 1} node {int(b[i, t])}, "
-            "which is not its child (a row must walk down one root-to-leaf path)"
+            "which is not below it (a row must walk down one root-to-leaf path)"
         )
 
 
@@ -196,6 +212,63 @@ def _leaf_nodes(node_of_row: Tensor) -> Tensor:
     if leaf is None or (leaf < 0).any():
         raise ValueError("every row needs at least one slot with a node (node_of_row >= 0)")
     return leaf  # [N]
+
+
+# ----------------------------------------------------------------------------- from rollouts
+
+
+def tree_from_paths(tree_path: Tensor, tree_segment: Tensor) -> tuple[Tensor, Tensor]:
+    """The Rollout's tree fields (rollouts/fork.py) -> (parent Long[M], node_of_row Long[N, T]).
+
+    tree_path Long[N, D+1]: node ids (any unique integers) along each row's path, the root first,
+    -1 only as a tail; tree_segment Long[N, T]: the path column (depth) of the node holding each
+    slot, -1 on padding. The M distinct ids are renumbered by (depth, id), which is a topological
+    order; an id met at two depths or under two parents is an error.
+    """
+    if tree_path.dim() != 2 or tree_segment.dim() != 2 or tree_path.shape[0] != len(tree_segment):
+        raise ValueError(
+            "tree_path must be Long[N, D+1] and tree_segment Long[N, T] with the same N, got "
+            f"{tuple(tree_path.shape)} and {tuple(tree_segment.shape)}"
+        )
+    n, width = tree_path.shape
+    path = tree_path.long()  # [N, D+1]
+    has = path >= 0  # [N, D+1]
+    if n and (not has[:, 0].all() or (has.long().cumprod(1) != has.long()).any()):
+        raise ValueError("tree_path: each row starts with its root and has -1 only as a tail")
+    seg = tree_segment.long()  # [N, T]
+    if ((seg < -1) | (seg >= width)).any():
+        raise ValueError(f"tree_segment must hold -1 or a path column in [0, {width})")
+    col = seg.clamp(min=0)  # [N, T]
+    slot_id = torch.gather(path, 1, col)  # [N, T] the node id of each slot (garbage on padding)
+    if ((seg >= 0) & (slot_id < 0)).any():
+        raise ValueError("tree_segment points at a path column that is -1 for its row")
+    depth = torch.arange(width, device=path.device).expand(n, width)[has]  # [E]
+    up = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)[has]  # [E]
+    uniq, inv = torch.unique(path[has], return_inverse=True)  # [U], [E]
+    u = uniq.numel()
+
+    def one_per_id(x: Tensor, what: str) -> Tensor:
+        """[E] values per path entry -> [U] the one value of each id (raises if it has two)."""
+        lo = torch.full((u,), torch.iinfo(torch.int64).max, device=x.device)
+        hi = torch.full((u,), torch.iinfo(torch.int64).min, device=x.device)
+        lo = lo.scatter_reduce(0, inv, x, "amin")  # [U]
+        hi = hi.scatter_reduce(0, inv, x, "amax")  # [U]
+        if (lo != hi).any():
+            bad = int(uniq[torch.nonzero(lo != hi)[0]])
+            raise ValueError(f"tree_path: node id {bad} appears at two {what}")
+        return lo  # [U]
+
+    node_depth = one_per_id(depth, "depths")  # [U]
+    node_up = one_per_id(up, "parents")  # [U] the parent's id, -1 for a root
+    order = torch.argsort(node_depth, stable=True)  # [U] uniq is sorted: ties keep the id order
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(u, device=path.device)  # [U] new index of uniq[k]
+    up_rank = rank[torch.searchsorted(uniq, node_up.clamp(min=0)).clamp(max=max(u - 1, 0))]
+    parent = torch.full((u,), -1, dtype=torch.long, device=path.device)  # [M]
+    parent[rank] = torch.where(node_up >= 0, up_rank, -1)  # [M]
+    slot_node = rank[torch.searchsorted(uniq, slot_id.clamp(min=0)).clamp(max=max(u - 1, 0))]
+    node_of_row = torch.where(seg >= 0, slot_node, -1)  # [N, T]
+    return parent, node_of_row
 
 
 # ----------------------------------------------------------------------------- node values
