@@ -190,6 +190,8 @@ def _check_groups(parent: Tensor, leaf: Tensor, group_ids: Tensor) -> None:
         raise ValueError(
             f"group_ids must have shape {tuple(leaf.shape)}, got {tuple(group_ids.shape)}"
         )
+    if leaf.numel() == 0:
+        return
     root = _roots(parent)[leaf]  # [N]
     for a, b, what in ((root, group_ids, "tree"), (group_ids, root, "group")):
         _, inv = torch.unique(a, return_inverse=True)  # [N]
