@@ -125,3 +125,35 @@ def test_tree_config_runs_in_the_loop_and_counts_generated_tokens(tmp_path, tiny
             "task": {"name": "env", "options": {"env_id": "grouprl/FrozenLake-v0"}},
             "rollout": {"tree": {"type": "fixed", "branching": [2, 4], "branch_at": [2]}},
         }, []))  # fmt: skip
+
+
+def _final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    from grouprl.runtime.checkpoint import CheckpointManager
+
+    return load_file(CheckpointManager(run_dir).latest() / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize("preset", ["grpo", "treerpo"])
+def test_a_depth_one_tree_trains_exactly_like_flat_grpo(preset, tmp_path, tiny_model_dir):
+    """branching [G]: the tree is the flat group (same seeds, same rows), every tree advantage
+    mode reduces to GRPO's on it and the shared-segment scales are 1, so the weights are the same
+    bits as plain GRPO's."""
+    common = ["rollout.seeding=per_sample", "rollout.group_size=4", "run.seed=5"]
+    flat = tmp_path / "flat"
+    train(make_cfg(flat, tiny_model_dir, *common, "algorithm.preset=grpo"))
+    tree = tmp_path / "tree"
+    train(make_cfg(tree, tiny_model_dir, *common, f"algorithm.preset={preset}",
+                   "rollout.tree={type: fixed, branching: [4]}"))  # fmt: skip
+    a, b = _final_weights(flat / "run"), _final_weights(tree / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_treerpo_trains_on_a_real_tree(tmp_path, tiny_model_dir):
+    train(make_cfg(tmp_path, tiny_model_dir, "algorithm.preset=treerpo", "rollout.group_size=8",
+                   "rollout.seeding=per_sample", "train.steps=2"))  # fmt: skip
+    rows = train_rows(tmp_path / "run")
+    assert len(rows) == 2 and all(r["rollout/sampled_actions"] < 2 * 8 * 4 for r in rows)
+    with pytest.raises(ValueError, match="needs a tree"):
+        make_cfg(tmp_path, tiny_model_dir, "algorithm.tree_advantage=treerpo")

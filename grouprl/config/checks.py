@@ -146,8 +146,16 @@ def check_hooks(cfg: Config) -> None:
 
 def check_tree(cfg: Config) -> None:
     """rollout.tree: its leaves are the group; its branch points lie inside the completion."""
-    t, r = cfg.rollout.tree, cfg.rollout
+    t, r, a = cfg.rollout.tree, cfg.rollout, cfg.algorithm
     if t.type == "none":
+        asked = [f"algorithm.{k}={getattr(a, k)!r}" for k, off in
+                 (("tree_advantage", "leaf_group"), ("tree_scales", "none"))
+                 if getattr(a, k) != off]  # fmt: skip
+        if asked:
+            raise ValueError(
+                f"{', '.join(asked)} needs a tree: set rollout.tree (e.g. {{type: fixed, "
+                "branching: [2, 2, 2], segment_tokens: 16}})"
+            )
         return
     if t.leaves != r.group_size:
         raise ValueError(
@@ -156,7 +164,7 @@ def check_tree(cfg: Config) -> None:
         )
     from grouprl.rollouts.fork import check_tree as check_shape
 
-    check_shape(t.branching, t.branch_at, r.max_new_tokens)
+    check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
     if r.budget.type == "allocate":
         raise ValueError(
             "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "

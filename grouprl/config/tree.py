@@ -27,16 +27,37 @@ class FixedTree(Section):
     branching: list[int] = Field(
         description="Children per node at each depth; their product is the group size."
     )
-    branch_at: list[int] = Field(
-        default_factory=list,
-        description="Completion offsets (tokens) where depths 2..d start, increasing.",
+    branch_at: list[int] | None = Field(
+        None,
+        description="Completion offsets (tokens) where depths 2..d start, increasing (None: "
+        "max_new_tokens split into d equal segments).",
     )
+    segment_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Instead of branch_at: every depth but the last is this many tokens "
+        "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...].",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _segments(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("segment_tokens") is not None:
+            if data.get("branch_at"):
+                raise ValueError(
+                    "rollout.tree: set branch_at or segment_tokens, not both (segment_tokens L "
+                    "means branch_at [L, 2L, ...])"
+                )
+            depth, step = len(data.get("branching") or []), data["segment_tokens"]
+            if isinstance(step, int) and step >= 1:
+                data = {**data, "branch_at": [step * k for k in range(1, depth)]}
+        return data
 
     @model_validator(mode="after")
     def _shape(self) -> FixedTree:
         if not self.branching or any(b < 1 for b in self.branching):
             raise ValueError(f"rollout.tree.branching={self.branching}: one count >= 1 per depth")
-        if len(self.branch_at) != len(self.branching) - 1:
+        if self.branch_at is not None and len(self.branch_at) != len(self.branching) - 1:
             raise ValueError(
                 f"rollout.tree.branch_at={self.branch_at} needs {len(self.branching) - 1} "
                 f"offsets, one per depth after the first of branching={self.branching}"
@@ -46,6 +67,13 @@ class FixedTree(Section):
     @property
     def leaves(self) -> int:
         return math.prod(self.branching)
+
+    def offsets(self, max_new_tokens: int) -> list[int]:
+        """branch_at, or max_new_tokens split into equal segments (the last takes the rest)."""
+        if self.branch_at is not None:
+            return list(self.branch_at)
+        step = max_new_tokens // len(self.branching)
+        return [step * k for k in range(1, len(self.branching))]
 
 
 TreeConfig = Annotated[NoTree | FixedTree, Field(discriminator="type")]

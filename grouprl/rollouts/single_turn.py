@@ -127,7 +127,7 @@ def _sample(
     same = len(set(sizes)) == 1  # one int for equal groups: any Policy.sample takes it
     if tree is not None and not greedy:  # each group a tree, its leaves the rows
         rollout = sample_tree(
-            policy, prompts, params, tree.branching, tree.branch_at,
+            policy, prompts, params, tree.branching, tree.offsets(params.max_new_tokens),
             group_ids=group_ids.tolist(), seed=seed,
         )  # fmt: skip
     else:

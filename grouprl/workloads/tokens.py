@@ -22,7 +22,9 @@ from torch import Tensor
 from grouprl.objectives import compute_advantages, sequence_kl, total_loss
 from grouprl.objectives.aggregation import delta_l_weights
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
+from grouprl.objectives.tree import shared_segment_scales, tree_from_paths, tree_token_advantages
 from grouprl.rollouts.batching import recompute_old
+from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.reward_metrics import reward_metrics
 from grouprl.types import LossOutput, Rollout
 
@@ -64,6 +66,12 @@ def prepare(
     lengths = batch.lengths.float()  # [N]
     if credit is not None:  # multi-turn episodes: per-turn credit
         rollout.advantages = credit(rollout)  # [N, T]
+    elif rollout.tree_path is not None and a.tree_advantage != "leaf_group":  # rollout.tree
+        parent, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+        rollout.advantages = tree_token_advantages(
+            parent, node_of_row, rollout.mask, combined_reward(rollout.rewards, weights),
+            rollout.group_ids, mode=a.tree_advantage, eps=a.adv_eps,
+        )  # fmt: skip  # [N, T]
     else:
         rollout.advantages = compute_advantages(
             a.advantage, rollout.rewards, rollout.group_ids,
@@ -85,9 +93,13 @@ def prepare(
 def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
     """lambda-GRPO scales times EGSW weights, Float[N, T]; None when neither is on."""
     scales = None
+    if rollout.tree_path is not None and a.tree_scales == "shared_segment":
+        _, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+        scales = shared_segment_scales(node_of_row, rollout.mask)  # [N, T]
     if a.token_scale == "prefix_share":
         tokens = rollout.actions.completion_ids  # [N, T]
-        scales = prefix_share_scales(tokens, rollout.mask, rollout.group_ids)  # [N, T]
+        share = prefix_share_scales(tokens, rollout.mask, rollout.group_ids)  # [N, T]
+        scales = share if scales is None else scales * share
     if a.egsw != "off":
         entropy = current_policy().entropy  # [N, T]
         w = egsw_weights(

@@ -34,6 +34,14 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 tokens reweighted by pi_old / pi_behaviour truncated at 2 (engine_correction
                 token_truncate). Deviation: RePO adds 8 replayed samples to every group with their
                 own advantage normalisation; here they replace rows of all-fail groups only.
+  treerpo       TreeRPO (arXiv 2506.05183): a binary tree of depth 3 (G = 8 leaves; rollout.tree
+                fixed, branching [2, 2, 2], max_new_tokens in 3 equal segments unless
+                segment_tokens / branch_at say otherwise), the step-level advantage of every
+                segment standardised among its siblings (algorithm.tree_advantage treerpo,
+                objectives/tree.py), each shared segment counted once (tree_scales
+                shared_segment). Deviations: the paper's N, D and L_step for its runs are
+                unconfirmed here (its code could not be read), so the tree's shape is our choice;
+                the sibling standardisation follows the paper's description [unconfirmed].
   greso         GRESO (arXiv 2506.02177), from the official train-scripts/*_greso.sh and verl
                 config of Infini-AI-Lab/GRESO: GRPO, clip 0.2, token-mean loss, entropy bonus 0.001,
                 no KL, G = 8, DAPO dynamic sampling after the rollout, and the pre-rollout selector
@@ -355,6 +363,18 @@ TEXT_PRESETS: list[dict] = [
                 "p_max": 0.95,
                 "min_keep": 0.01,
             },
+        },
+    ),
+    dict(
+        name="treerpo",
+        arxiv="2506.05183",
+        summary="GRPO on a sampled tree: each segment's advantage is its value among its siblings.",
+        settings={
+            **_GRPO_CORE,
+            "tree_advantage": "treerpo",
+            "tree_scales": "shared_segment",
+            "rollout.group_size": 8,
+            "rollout.tree": {"type": "fixed", "branching": [2, 2, 2]},
         },
     ),
 ]
