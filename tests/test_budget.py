@@ -279,8 +279,8 @@ def test_dynamic_sampling_keeps_whole_unequal_groups():
     def one_round(k):
         ids = torch.tensor([0, 0, 0, 1, 2, 2]) + 10 * k  # [N]
         r = torch.tensor([1.0, 0, 0, 1, 0, 1])  # [N]
-        return Rollout(group_ids=ids, rewards={"a": r}, actions=None,
-                       old_logp=torch.zeros(6, 1), mask=torch.ones(6, 1, dtype=torch.bool))  # fmt: skip
+        mask = torch.ones(6, 1, dtype=torch.bool)  # [N, T]
+        return Rollout(ids, {"a": r}, None, torch.zeros(6, 1), mask)
 
     out, m = sample_until_full(one_round, {"a": 1.0}, groups_wanted=3, max_rounds=5)
     assert out.group_ids.tolist() == [0, 0, 0, 2, 2, 10, 10, 10]

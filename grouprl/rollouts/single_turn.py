@@ -106,8 +106,8 @@ def _sample(
     greedy: bool,
     seed: int | None,
 ) -> tuple[Rollout, dict]:
-    """Sample one chunk of groups (sizes: one G per example); its completions as rewards take them go in
-    info["_completions"] (removed before collect returns), its reward extras are returned."""
+    """Sample one chunk of groups (sizes: one G per example); its completions as rewards take them
+    go in info["_completions"] (removed before collect returns), its reward extras are returned."""
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
