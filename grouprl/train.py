@@ -39,6 +39,7 @@ from grouprl.rollouts.batching import single_pass as is_single_pass
 from grouprl.rollouts.budget.sampler import BudgetSampler
 from grouprl.rollouts.curriculum import DumpSampler, response_advantages
 from grouprl.rollouts.filters import sample_until_full
+from grouprl.rollouts.hooks import HookContext, SignalHooks
 from grouprl.rollouts.prompt_guard import apply_prompt_guard
 from grouprl.runtime.async_rollout import rollout_source
 from grouprl.runtime.build import build_optimizer, build_sampler, seed_everything
@@ -55,7 +56,7 @@ from grouprl.runtime.user_inputs import (
 )
 from grouprl.types import Rollout
 from grouprl.workloads import build_policy, build_rewards, refuse_unsupported, workload_of
-from grouprl.workloads.base import Parts, Workload
+from grouprl.workloads.base import Collected, Parts, Workload
 
 
 class UserCodeExit(RuntimeError):
@@ -81,32 +82,53 @@ def rollout_step(
     step: int,
     dist: Dist = SINGLE,
     health: RewardHealth | None = None,
+    hooks: SignalHooks | None = None,
 ) -> tuple[Rollout | None, dict]:
     """Sample and score one batch of groups (with DAPO dynamic sampling when configured).
     policy: the weights that sample (the trainer's, or the one_step_off worker's snapshot).
     Several processes: each samples a share of the groups, all get the whole scored batch.
-    health: warns about / stops on a reward that fails on every sample (envs/rewards/health.py)."""
+    health: warns about / stops on a reward that fails on every sample (envs/rewards/health.py).
+    hooks: rollout.hooks, applied to each sampling round before dynamic sampling filters it."""
     r, a = cfg.rollout, cfg.algorithm
     errors_total: dict[str, int] = {}
     first_errors: dict[str, str] = {}
     scored = [0]  # samples the reward functions saw this step, over all sampling rounds
+    sampled = [0]  # action slots the policy generated this step (all rounds, hint re-samples)
 
     budget = sampler if isinstance(sampler, BudgetSampler) else None  # rollout.budget
+
+    def account(got: Collected) -> Rollout:
+        scored[0] += got.scored
+        made = got.rollout.generated  # tree rollouts: a shared segment was generated once
+        sampled[0] += int(made.sum() if made is not None else got.rollout.mask.sum())
+        for k, v in got.errors.items():
+            errors_total[k] = errors_total.get(k, 0) + v
+        for k, v in got.first_errors.items():
+            first_errors.setdefault(k, v)
+        return got.rollout
 
     def one_round(round_index: int) -> Rollout:
         examples = sampler.next(r.prompts_per_step)
         first_id = (step * a.max_sampling_rounds + round_index) * r.prompts_per_step
         sizes = budget.group_sizes(examples) if budget else None  # allocate: G per prompt
         more = {"group_sizes": sizes} if sizes else {}
-        got = workload.collect(policy, examples, first_group_id=first_id, step=step, **more)
-        if budget:  # every sampled group into the pass history, before any filter
-            budget.observe(got.rollout, step)
-        scored[0] += got.scored
-        for k, v in got.errors.items():
-            errors_total[k] = errors_total.get(k, 0) + v
-        for k, v in got.first_errors.items():
-            first_errors.setdefault(k, v)
-        return got.rollout
+        rollout = account(
+            workload.collect(policy, examples, first_group_id=first_id, step=step, **more)
+        )
+        if budget:  # every sampled group into the pass history, before any filter or hook
+            budget.observe(rollout, step)
+        if hooks:
+
+            def resample(exs: list[dict], prefixes: list[str] | None, size: int) -> Rollout:
+                # group ids of their own (per-sample seeds come from them); the hook maps the
+                # rows back onto the failed groups' ids
+                got = workload.collect(policy, exs, first_group_id=HOOK_GROUP_IDS + first_id,
+                                       step=step, group_sizes=[size] * len(exs),
+                                       response_prefixes=prefixes)  # fmt: skip
+                return account(got)
+
+            rollout = hooks.apply(rollout, HookContext(step, weights, resample))
+        return rollout
 
     metrics: dict[str, float] = {}
     if a.dynamic_sampling == "zero_variance":
@@ -115,6 +137,7 @@ def rollout_step(
         )
     else:
         rollout = one_round(0)
+    metrics["rollout/sampled_actions"] = float(sampled[0])  # tokens (text); denoising steps (flows)
     if budget:
         metrics.update(budget.finish_step())  # GRESO's exploration update; budget/ metrics
     metrics.update({f"reward_errors/{k}": float(v) for k, v in errors_total.items()})
@@ -132,10 +155,15 @@ def rollout_step(
             for name in reward_fns
         }
         health.observe(step, failures, scored[0], first_errors)
+    if hooks:
+        metrics.update(hooks.metrics())
     if rollout is not None:
         rollout, more = workload.postprocess(rollout)
         metrics.update(more)
     return rollout, metrics
+
+
+HOOK_GROUP_IDS = 1 << 40  # group ids of rows a hook samples again (never a step's own ids)
 
 
 def _disable_dropout(cfg: Config, policy) -> None:
@@ -370,6 +398,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
         task.train, eval_examples = apply_prompt_guard(cfg, policy, task.train, eval_examples)
     workload = kind(Parts(cfg, policy, reward_fns, weights, dist))
     sampler = build_sampler(cfg, task.train)
+    hooks = SignalHooks(cfg.rollout.hooks)  # hint / replay for groups without signal
     if dist.is_main:  # everything is built: only now is the run directory touched
         claim_run_dir(cfg, changes)
     dist.barrier()
@@ -379,7 +408,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     latest = ckpts.latest(verify=True) if cfg.run.resume else None  # checksums: skip damaged
     if latest is not None:
         step, before, after = resume_from(
-            latest, policy, optimizer, scheduler, sampler, scaler=scaler
+            latest, policy, optimizer, scheduler, sampler, scaler=scaler, hooks=hooks
         )
     push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
@@ -407,7 +436,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     limits = {r.name.rsplit(":", 1)[-1]: r.max_failed_steps for r in cfg.rewards}
     health = RewardHealth({k: limits.get(k, DEFAULT_MAX_FAILED_STEPS) for k in reward_fns})
     rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
-        cfg, workload, pol, sampler, reward_fns, weights, at, dist, health), dist.world)  # fmt: skip
+        cfg, workload, pol, sampler, reward_fns, weights, at, dist, health, hooks), dist.world)  # fmt: skip
 
     with logger:
         if before is None:
@@ -438,15 +467,17 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
                 run_eval(step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 save_checkpoint(ckpts, step, policy, optimizer, scheduler,
-                                rollouts.saved_sampler(sampler), before, scaler=scaler)  # fmt: skip
+                                rollouts.saved_sampler(sampler), before, scaler=scaler,
+                                hooks=hooks)  # fmt: skip
         rollouts.close()  # one_step_off: no batch is in flight after the last step
         # the last step's checkpoint is written once, after the final evaluation, holding its
         # result: a crash in between redoes the last step; a finished run resumed does nothing
         if after is None:
             after = run_eval(step)
             save_checkpoint(
-                ckpts, step, policy, optimizer, scheduler, sampler, before, after, scaler=scaler
-            )
+                ckpts, step, policy, optimizer, scheduler, sampler, before, after, scaler=scaler,
+                hooks=hooks,
+            )  # fmt: skip
         if dist.is_main:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png")
     return {"before": before, "after": after, "run_dir": str(run_dir),

@@ -89,6 +89,9 @@ def _cat_vision(parts: list[list[dict[str, Tensor]] | None]) -> list[dict[str, T
     return [row for p in parts for row in p]
 
 
+ROW_SAMPLED, ROW_HINTED, ROW_REPLAYED = 0, 1, 2  # Rollout.row_source values
+
+
 @dataclass
 class Rollout:
     """A batch of N sampled trajectories, grouped by `group_ids`.
@@ -107,6 +110,13 @@ class Rollout:
     step_ids / step_rewards / anchor_keys: multi-turn extras (agents)
     examples:     list[dict]|None   the task example each sample was drawn for (the curriculum
                                     reads its source column)
+    row_source:   Long[N]|None      where a row came from when rollout.hooks changed the batch:
+                                    0 sampled, 1 re-sampled with a hint, 2 replayed from the buffer
+                                    (ROW_SAMPLED / ROW_HINTED / ROW_REPLAYED)
+    tree_path / tree_segment / generated: tree rollouts (rollouts/fork.py): Long[N, D+1] node ids
+                                    along each row's path, Long[N, T] the depth of the segment
+                                    holding each slot (-1 padding), Long[N] actions this row
+                                    sampled itself (a shared segment counts once)
     info:         dict of per-sample lists for logs only (prompt text, completion text ...): the
                                     training loop never reads it
     """
@@ -125,6 +135,10 @@ class Rollout:
     step_rewards: Tensor | None = None
     anchor_keys: list | None = None
     examples: list[dict] | None = None
+    row_source: Tensor | None = None
+    tree_path: Tensor | None = None
+    tree_segment: Tensor | None = None
+    generated: Tensor | None = None
     info: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:

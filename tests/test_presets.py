@@ -10,7 +10,7 @@ from grouprl.config.presets import PRESETS, Preset, preset_settings
 EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
     "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo", "gigpo",
-    "greso",
+    "hint", "replay", "greso",
 ]  # fmt: skip
 MINIMAL = {
     "workload": {"type": "text"},
@@ -24,6 +24,8 @@ def resolved(obj, value):
     the typed model's values of the mapping's keys."""
     if isinstance(value, dict) and hasattr(obj, "model_fields"):
         return {k: getattr(obj, k) for k in value}
+    if isinstance(value, list | tuple) and isinstance(obj, list) and len(obj) == len(value):
+        return type(value)(resolved(o, v) for o, v in zip(obj, value))  # rollout.hooks
     return obj
 
 

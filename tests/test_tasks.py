@@ -339,3 +339,11 @@ def test_train_and_eval_takes_eval_source_then_eval_split_then_a_held_out_fracti
     train, ev = train_and_eval(load, "S", "c", "train", None, None, None, 0.5, 0)
     assert calls == [("S", "c", "train")] and len(train) == 2 and len(ev) == 2
     assert sorted(e["prompt"] for e in train + ev) == [f"S/train/{i}" for i in range(4)]
+
+
+def test_arithmetic_max_train_keeps_the_held_out_split():
+    full = build_task("arithmetic", n_train=50, n_eval=7, seed=3)
+    few = build_task("arithmetic", n_train=50, n_eval=7, seed=3, max_train=5)
+    assert few.train == full.train[:5] and few.eval == full.eval
+    with pytest.raises(ValueError, match="max_train"):
+        build_task("arithmetic", max_train=0)

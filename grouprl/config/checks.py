@@ -104,7 +104,66 @@ def check_combinations(cfg: Config) -> None:
             "diffusion.ratio_norm='grpo_guard' clips with algorithm.surrogate.eps_high; surrogate "
             f"{a.surrogate.type!r} has no clip range (use type clip)"
         )
+    check_hooks(cfg)
+    check_tree(cfg)
     if a.advantage == "dr_grpo" and a.scale != "none":
         warnings.warn(
             "advantage='dr_grpo' never divides by the std; `scale` is ignored", stacklevel=2
+        )
+
+
+def check_hooks(cfg: Config) -> None:
+    """rollout.hooks: at most one of each type; behaviour-policy rows need the per-token
+    correction; replay's buffer and a one-step-off sampler would disagree about its state."""
+    hooks = cfg.rollout.hooks
+    types = [h.type for h in hooks]
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:
+        raise ValueError(f"rollout.hooks lists {', '.join(twice)} more than once")
+    off_policy = [f"{h.type}" + (" (context original)" if h.type == "hint" else "")
+                  for h in hooks
+                  if h.type == "replay" or (h.type == "hint" and h.context == "original")]  # fmt: skip
+    if off_policy and cfg.algorithm.engine_correction == "none":
+        raise ValueError(
+            f"rollout.hooks {', '.join(off_policy)} trains on rows sampled by another policy "
+            "(stored or hinted log-probs); set algorithm.engine_correction (e.g. token_truncate) "
+            "so each token is reweighted by pi_old / pi_behaviour"
+        )
+    if hooks and cfg.train.async_mode != "off":
+        raise ValueError(
+            f"rollout.hooks with train.async_mode={cfg.train.async_mode!r}: the hooks act on the "
+            "batch sampled for the current weights (and replay's buffer is checkpointed with "
+            "them); use train.async_mode off"
+        )
+    for h in hooks:
+        if h.type == "hint" and h.where == "response" and h.text == "column":
+            warnings.warn(
+                f"rollout.hooks hint: text 'column' with where 'response' forces the whole "
+                f"{h.column!r} column as the start of the completion",
+                stacklevel=2,
+            )
+
+
+def check_tree(cfg: Config) -> None:
+    """rollout.tree: its leaves are the group; its branch points lie inside the completion."""
+    t, r = cfg.rollout.tree, cfg.rollout
+    if t.type == "none":
+        return
+    if t.leaves != r.group_size:
+        raise ValueError(
+            f"rollout.tree.branching={t.branching} gives {t.leaves} leaves per group, "
+            f"rollout.group_size={r.group_size}: set group_size to the product of branching"
+        )
+    from grouprl.rollouts.fork import check_tree as check_shape
+
+    check_shape(t.branching, t.branch_at, r.max_new_tokens)
+    if r.budget.type == "allocate":
+        raise ValueError(
+            "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "
+            "branching; use one of them"
+        )
+    if r.hooks:
+        raise ValueError(
+            "rollout.tree with rollout.hooks: a hint re-samples or replay replaces rows of a "
+            "group, which would cut its tree; use one of them"
         )

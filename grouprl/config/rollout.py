@@ -7,7 +7,9 @@ from typing import Literal
 from pydantic import Field
 
 from grouprl.config.budget import BudgetConfig, NoBudget
+from grouprl.config.hooks import HookConfig
 from grouprl.config.section import Section
+from grouprl.config.tree import NoTree, TreeConfig
 
 
 class VLLMConfig(Section):
@@ -72,4 +74,16 @@ class RolloutConfig(Section):
         "recompute",
         description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
         "engine: trust the engine's sampling log-probs.",
+    )
+    tree: TreeConfig = Field(
+        default_factory=NoTree,
+        description="Sample each group as a tree: {type: fixed, branching: [b1, ...], branch_at: "
+        "[t1, ...]} forks every node into b children at the given completion offsets; the "
+        "group size is the product of branching (grouprl/rollouts/fork.py).",
+    )
+    hooks: list[HookConfig] = Field(
+        default_factory=list,
+        description="What to do with groups that carry no signal, in order: {type: hint, ...} "
+        "re-samples an all-fail group with a hint, {type: replay, ...} mixes in the prompt's past "
+        "successes (grouprl/config/hooks.py, grouprl/rollouts/hooks/).",
     )

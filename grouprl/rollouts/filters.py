@@ -38,10 +38,37 @@ def informative_groups(reward: Tensor, group_ids: Tensor) -> Tensor:
     return keep
 
 
+def failed_groups(reward: Tensor, group_ids: Tensor, threshold: float) -> list[int]:
+    """Ids of the groups (in batch order) in which no valid sample passes (reward >= threshold)
+    and at least one sample is valid: the all-fail groups, which carry no gradient. A group whose
+    rewards all failed (NaN) is left out: a hint or a replay cannot give it a reward."""
+    out = []
+    for g in torch.unique_consecutive(group_ids).tolist():  # groups are stored contiguously
+        values = reward[group_ids == g]  # [G]
+        valid = values[~torch.isnan(values)]
+        if valid.numel() and bool((valid < threshold).all()):
+            out.append(int(g))
+    return out
+
+
+def splice_rows(rollout: Rollout, keep: Tensor, extra: Rollout) -> Rollout:
+    """The rows `keep` (Bool[N]) of `rollout` plus the rows of `extra`, each group's rows
+    consecutive again, groups in the batch's order, within a group the kept rows first. Every
+    group id of `extra` must be one of the batch's."""
+    order = torch.unique_consecutive(rollout.group_ids)  # [B] group ids in batch order
+    merged = cat_rollouts([rollout.select(keep.nonzero().squeeze(1)), extra])
+    position = (merged.group_ids[:, None] == order[None, :]).long().argmax(1)  # [N'] group index
+    if not bool((merged.group_ids == order[position]).all()):
+        raise ValueError("splice_rows: extra rows of a group that is not in the batch")
+    return merged.select(torch.sort(position, stable=True).indices)
+
+
 # per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
 # has the same width in every part and is joined as it is
 _TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
-                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
+                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1, "tree_segment": -1,
+                 "tree_path": -1}  # fmt: skip
+_OWN_WIDTH = {"tree_path"}  # [n, D+1]: padded to the widest of its own kind, not to T
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -59,8 +86,9 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         if isinstance(first, Tensor):
             if name in _TOKEN_FIELDS and first.dim() == 2:
                 pad = _TOKEN_FIELDS[name]
-                values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
-                          for v in values]  # fmt: skip  # [n, width]
+                w = max(v.shape[1] for v in values) if name in _OWN_WIDTH else width
+                values = [torch.nn.functional.pad(v, (0, w - v.shape[1]), value=pad)
+                          for v in values]  # fmt: skip  # [n, w]
             return torch.cat(values)
         if isinstance(first, list):
             return [x for v in values for x in v]

@@ -47,5 +47,5 @@ def group_sizes(group_size: int | list[int], n_groups: int) -> list[int]:
         if len(sizes) != n_groups:
             raise ValueError(f"{len(sizes)} group sizes for {n_groups} groups: need one per group")
     if any(g < 1 for g in sizes):
-        raise ValueError(f"every group size must be >= 1, got {sizes}")
+        raise ValueError(f"every group_size must be >= 1, got {sizes}")
     return sizes

@@ -10,6 +10,7 @@ import torch
 from grouprl.envs.rewards import RewardFn, score_completions
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.filters import cat_rollouts
+from grouprl.rollouts.fork import sample_tree
 from grouprl.rollouts.seeds import group_sizes
 from grouprl.types import Rollout
 
@@ -26,6 +27,8 @@ def collect(
     fail_fast: bool = False,
     seed: int | None = None,
     first_errors: dict[str, str] | None = None,
+    response_prefixes: list[str] | None = None,
+    tree: Any = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """Sample `group_size` completions for each example and score them with every reward function.
     group_size: one G for all examples, or one per example (rollout.budget allocate: groups of
@@ -41,6 +44,9 @@ def collect(
     `overlap = True` (remote scorers, e.g. `http`) make collect sample in `overlap_chunks` chunks
     of groups, each chunk scored by them in a background thread while the next generates;
     with per-sample seeding the samples and scores equal the unchunked ones. first_errors: filled with name -> the first failure's text (score_completions).
+    response_prefixes: one text per example forced as the start of its completions (hints,
+    rollouts/hooks/hint.py; CausalLMPolicy.sample). tree: rollout.tree (fixed): each group is
+    sampled as a tree (rollouts/fork.py), its leaves the group's rows.
     """
     sizes = group_sizes(group_size, len(examples))  # one G per example
     remote = {k: f for k, f in reward_fns.items() if getattr(f, "overlap", False)}
@@ -53,9 +59,11 @@ def collect(
     parts, pending = [], []
     with ThreadPoolExecutor(max_workers=1) as scorer:  # remote scoring overlaps the next chunk
         for lo, hi in zip(bounds, bounds[1:]):
+            prefixes = None if response_prefixes is None else response_prefixes[lo:hi]
             part, extra = _sample(
-                policy, examples[lo:hi], sizes[lo:hi], params, first_group_id + lo, greedy, seed
-            )
+                policy, examples[lo:hi], sizes[lo:hi], params, first_group_id + lo, greedy, seed,
+                prefixes, tree,
+            )  # fmt: skip
             parts.append(part)
             if remote:
                 args = (remote, part.info["_completions"], part.examples)
@@ -105,16 +113,28 @@ def _sample(
     first_group_id: int,
     greedy: bool,
     seed: int | None,
+    response_prefixes: list[str] | None = None,
+    tree: Any = None,
 ) -> tuple[Rollout, dict]:
-    """Sample one chunk of groups (sizes: one G per example); its completions as rewards take them
-    go in info["_completions"] (removed before collect returns), its reward extras are returned."""
+    """Sample one chunk of groups (sizes: one G per example); its completions as rewards take
+    them go in info["_completions"] (removed before collect returns), its reward extras are
+    returned."""
     prompts = [ex["prompt"] for ex in examples]
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
     seeded = {} if seed is None else {"seed": seed}  # policies without seeding never see the key
+    if response_prefixes is not None:  # policies without forced starts never see the key
+        seeded["response_prefixes"] = response_prefixes
     same = len(set(sizes)) == 1  # one int for equal groups: any Policy.sample takes it
-    rollout = policy.sample(
-        prompts, sizes[0] if same else sizes, params, group_ids=group_ids, greedy=greedy, **seeded
-    )
+    if tree is not None and not greedy:  # each group a tree, its leaves the rows
+        rollout = sample_tree(
+            policy, prompts, params, tree.branching, tree.branch_at,
+            group_ids=group_ids.tolist(), seed=seed,
+        )  # fmt: skip
+    else:
+        rollout = policy.sample(
+            prompts, sizes[0] if same else sizes, params, group_ids=group_ids, greedy=greedy,
+            **seeded,
+        )  # fmt: skip
     repeated = [ex for ex, n in zip(examples, sizes) for _ in range(n)]  # one per completion
     rollout.info["_completions"] = [
         [{"role": "assistant", "content": text}] if isinstance(ex["prompt"], list) else text

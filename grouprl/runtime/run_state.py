@@ -137,10 +137,11 @@ def claim_run_dir(cfg: Config, changes: dict[str, tuple[Any, Any]], say=print) -
 
 
 def save_checkpoint(
-    ckpts, step, policy, optimizer, scheduler, sampler, before, after=None, scaler=None
+    ckpts, step, policy, optimizer, scheduler, sampler, before, after=None, scaler=None, hooks=None
 ) -> None:
     """Checkpoint `step`; `after` (the final evaluation) only in a finished run's last one.
-    scaler: the float16 loss scaler (policies/precision.py), saved as plain numbers."""
+    scaler: the float16 loss scaler (policies/precision.py), saved as plain numbers; hooks: the
+    rollout hooks (replay's buffer), saved as plain values."""
     state = {
         "step": step,
         "optimizer": optimizer.state_dict(),
@@ -154,6 +155,7 @@ def save_checkpoint(
         # old / EMA weights (DiffusionNFT, AWM: keys "old::...") are kept here
         "old_weights": None if policy.lora is not None else _old_weights(policy),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
+        "rollout_hooks": None if not hooks else hooks.state_dict(),
     }
     ckpts.save(
         step,
@@ -195,7 +197,7 @@ def load_weights(path: Path, policy) -> dict[str, Any]:
 
 
 def resume_from(
-    path: Path, policy, optimizer, scheduler, sampler, scaler=None
+    path: Path, policy, optimizer, scheduler, sampler, scaler=None, hooks=None
 ) -> tuple[int, dict | None, dict | None]:
     """Load checkpoint `path` into the objects; returns (step, eval before, eval after or None)."""
     state = load_weights(path, policy)
@@ -204,6 +206,8 @@ def resume_from(
     sampler.load_state_dict(state["sampler"])
     if scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
+    if hooks and state.get("rollout_hooks") is not None:
+        hooks.load_state_dict(state["rollout_hooks"])
     restore_rng(state)
     return int(state["step"]), state.get("eval_before"), state.get("eval_after")
 

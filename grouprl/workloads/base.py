@@ -41,6 +41,9 @@ class Capabilities:
                          needs `rollout.examples`)
     prompt_guard:        rollout.max_prompt_tokens (over-long single-turn prompts filtered /
                          truncated before training)
+    signal_hooks:        rollout.hooks (hint / replay for groups without signal: collect takes
+                         `group_sizes` and `response_prefixes`, the payload is a TokenBatch)
+    tree_rollouts:       rollout.tree (each group sampled as a tree, rollouts/fork.py)
     budget:              rollout.budget greso / allocate (prompts skipped from their pass
                          history; `collect` takes `group_sizes`, one G per example)
     """
@@ -50,6 +53,8 @@ class Capabilities:
     per_sample_seeding: bool = False
     curriculum: bool = False
     prompt_guard: bool = False
+    signal_hooks: bool = False
+    tree_rollouts: bool = False
     budget: bool = False
 
 
@@ -182,6 +187,8 @@ _ASKS = {
         "rollout.max_prompt_tokens",
         lambda cfg, world: cfg.rollout.max_prompt_tokens is not None,
     ),
+    "signal_hooks": ("rollout.hooks", lambda cfg, world: bool(cfg.rollout.hooks)),
+    "tree_rollouts": ("rollout.tree", lambda cfg, world: cfg.rollout.tree.type != "none"),
     "budget": ("rollout.budget", lambda cfg, world: cfg.rollout.budget.type != "none"),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked

@@ -94,7 +94,7 @@ class TextWorkload:
     name: ClassVar[str] = "text"
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
-        prompt_guard=True, budget=True,
+        prompt_guard=True, signal_hooks=True, budget=True, tree_rollouts=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -122,22 +122,27 @@ class TextWorkload:
         first_group_id: int,
         step: int,
         group_sizes: list[int] | None = None,
+        response_prefixes: list[str] | None = None,
     ) -> Collected:
-        """group_sizes: one G per example (rollout.budget allocate); None: rollout.group_size."""
+        """group_sizes: one G per example (rollout.budget allocate, hint re-samples); None:
+        rollout.group_size. response_prefixes: one forced completion start per example
+        (rollout.hooks hint)."""
         cfg, first_errors = self.cfg, {}
         seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
         sizes = group_sizes or [cfg.rollout.group_size] * len(examples)
+        tree = cfg.rollout.tree if cfg.rollout.tree.type != "none" else None
 
-        def part_sizes(part: list[dict], first: int) -> int | list[int]:  # a process's share
-            lo = first - first_group_id
+        def make(part: list[dict], first: int) -> tuple[Rollout, dict]:
+            lo = first - first_group_id  # a process's share is a contiguous run of the examples
             own = sizes[lo : lo + len(part)]
-            return own[0] if len(set(own)) == 1 else own
+            prefixes = None if response_prefixes is None else response_prefixes[lo : lo + len(part)]
+            return collect(
+                policy, part, own[0] if len(set(own)) == 1 else own, self.params,
+                self.reward_fns, first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
+                first_errors=first_errors, response_prefixes=prefixes, tree=tree,
+            )  # fmt: skip
 
-        rollout, errors = self.dist.gather_groups(examples, first_group_id, lambda part, first: (
-            collect(policy, part, part_sizes(part, first), self.params, self.reward_fns,
-                    first_group_id=first, fail_fast=cfg.run.fail_fast, seed=seed,
-                    first_errors=first_errors)
-        ))  # fmt: skip
+        rollout, errors = self.dist.gather_groups(examples, first_group_id, make)
         return Collected(rollout, len(rollout), errors, first_errors)
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:

@@ -22,6 +22,18 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 log-ratio) while TRL's RLOO exponentiates the summed log-ratio.
   reinforce_pp  verl's REINFORCE++-baseline example: k2 KL in the loss, coef 0.001, token_mean.
   gpg           plain REINFORCE surrogate, token_mean, no KL, no reference (verl example).
+  hint          GRPO + rollout.hooks hint (grouprl/rollouts/hooks/hint.py): an all-fail group keeps
+                one sampled row and re-samples G - 1 with a hint in the prompt, as NuRL (arXiv
+                2509.25666); the hint is the first ceil(f * words) of the `solution` column, f
+                annealed 0.5 -> 0 over 200 steps (GHPO's partial solutions, arXiv 2507.10628).
+                Deviations: NuRL's hints are abstract and written offline by the model (use text:
+                column for those); GHPO raises the share in stages per problem, here one schedule.
+  replay        GRPO + rollout.hooks replay (grouprl/rollouts/hooks/replay.py): an all-fail group's
+                last row becomes the prompt's newest stored success (AR3PO's response reuse, arXiv
+                2509.25808; the buffer as RePO, arXiv 2506.09340, 4 successes per prompt), its
+                tokens reweighted by pi_old / pi_behaviour truncated at 2 (engine_correction
+                token_truncate). Deviation: RePO adds 8 replayed samples to every group with their
+                own advantage normalisation; here they replace rows of all-fail groups only.
   greso         GRESO (arXiv 2506.02177), from the official train-scripts/*_greso.sh and verl
                 config of Infini-AI-Lab/GRESO: GRPO, clip 0.2, token-mean loss, entropy bonus 0.001,
                 no KL, G = 8, DAPO dynamic sampling after the rollout, and the pre-rollout selector
@@ -284,6 +296,38 @@ TEXT_PRESETS: list[dict] = [
             "agent.omega": 1.0,
             "agent.norm": "mean_std_norm",
             "agent.invalid_penalty": 0.1,
+        },
+    ),
+    dict(
+        name="hint",
+        arxiv="2509.25666",
+        summary="GRPO that re-samples all-fail groups with a partial reference solution as hint.",
+        settings={
+            **_GRPO_CORE,
+            "rollout.hooks": (
+                {
+                    "type": "hint",
+                    "text": "solution_prefix",
+                    "column": "solution",
+                    "where": "prompt",
+                    "context": "hinted",
+                    "keep_sampled": 1,
+                    "start_fraction": 0.5,
+                    "end_fraction": 0.0,
+                    "anneal_steps": 200,
+                },
+            ),  # fmt: skip
+        },
+    ),
+    dict(
+        name="replay",
+        arxiv="2509.25808",
+        summary="GRPO that puts a prompt's past success into its all-fail groups, IS-corrected.",
+        settings={
+            **_GRPO_CORE,
+            "engine_correction": "token_truncate",
+            "engine_correction_max": 2.0,
+            "rollout.hooks": ({"type": "replay", "per_group": 1, "per_prompt": 4},),
         },
     ),
     dict(

@@ -37,6 +37,7 @@ def build_arithmetic(
     min_value: int = 0,
     max_value: int = 99,
     prompt_template: str = DEFAULT_TEMPLATE,
+    max_train: int | None = None,
 ) -> TaskData:
     """Arithmetic task.
 
@@ -45,11 +46,16 @@ def build_arithmetic(
     ops:             the operators to draw from, a non-empty subset of "+-*" (e.g. "+", "+-*")
     min_value, max_value: operands are integers in [min_value, max_value]
     prompt_template: format string with {a}, {b} and, when several ops are used, {op}
+    max_train:       train on the first max_train of the n_train problems only (None: all); the
+                     held-out split stays the one of n_train, so a run on fewer problems (which
+                     then recur: replay, rollout budgets) is evaluated on the same problems
     Examples: {"prompt", "answer" (str), "a", "b", "op"}; reward: accuracy (exact, last number).
     """
     check_int("seed", seed)
     check_int("n_train", n_train, minimum=0)
     check_int("n_eval", n_eval, minimum=0)
+    if max_train is not None:
+        check_int("max_train", max_train, minimum=1)
     check_int("min_value", min_value)
     check_int("max_value", max_value, minimum=min_value)
     if (
@@ -84,7 +90,7 @@ def build_arithmetic(
             }
         )
     return TaskData(
-        train=examples[:n_train],
+        train=examples[: n_train if max_train is None else min(max_train, n_train)],
         eval=examples[n_train:],
         reward_fns={"accuracy": accuracy_reward(mode="exact")},
         default_reward_weights={"accuracy": 1.0},

@@ -56,7 +56,10 @@ def to_examples(
     system_prompt: str | None,
     answer_format: AnswerFormat,
 ) -> list[dict[str, Any]]:
-    """Rows -> examples {"prompt", "answer", ...the row's other columns}."""
+    """Rows -> examples {"prompt", "answer", ...the row's other columns}; when the answer column
+    held more than the answer (GSM8K's worked solution "... #### 72"), its whole text is kept as
+    "solution" too (unless the row has a "solution" column): the reference solution of
+    rollout.hooks hint."""
     source = describe(source)
     present = sorted({k for row in rows for k in row})
     reserved = sorted(set(present) & RESERVED_COLUMNS)
@@ -92,7 +95,10 @@ def to_examples(
 
         where = f"math task: row {i} of {source!r}, column {question_column!r}"
         prompt = make_prompt(question, fill, system_prompt, where)
-        examples.append({**row, "prompt": prompt, "answer": answer})
+        example = {**row, "prompt": prompt, "answer": answer}
+        if "solution" not in row and str(raw).strip() != answer:
+            example["solution"] = str(raw)  # GSM8K's worked solution: what hints read
+        examples.append(example)
     return examples
 
 

@@ -151,11 +151,17 @@ class CausalLMPolicy:
         group_ids: list[int] | Tensor | None = None,
         greedy: bool = False,
         seed: int | None = None,
+        response_prefixes: list[str | list[int]] | None = None,
     ) -> Rollout:
         """G = group_size completions per prompt (consecutive rows); rewards are left empty.
         group_size: one G for every prompt, or one per prompt (rollout.budget allocate).
         seed: sample j of group g draws from its own generator seeded by (seed, g, j)
-        (engines/seeded.py), so a group's samples do not depend on the rest of the batch."""
+        (engines/seeded.py), so a group's samples do not depend on the rest of the batch.
+        response_prefixes: one text or token-id list per prompt ("" / [] for none) forced as the
+        start of each of its completions (a hint, rollouts/hooks/hint.py; token ids: a tree
+        rollout's shared segments exactly as sampled, rollouts/fork.py): the engine continues
+        after it; the prefix tokens are part of the completion (the reward sees them, scoring
+        conditions on them) but masked out of the loss, with engine log-prob 0."""
         if not prompts:
             raise ValueError(f"need >= 1 prompt, got {len(prompts)}")
         sizes = group_sizes(group_size, len(prompts))  # [B] ints, each >= 1
@@ -165,6 +171,16 @@ class CausalLMPolicy:
         if group_ids.shape != (len(prompts),):
             raise ValueError(f"group_ids must have one id per prompt ({len(prompts)})")
         prompt_ids = [p for p, n in zip(self.encode_prompts(prompts), sizes) for _ in range(n)]
+        forced = [[] for _ in prompt_ids]  # per row: the forced completion start's token ids
+        if response_prefixes is not None:
+            if len(response_prefixes) != len(prompts):
+                raise ValueError(
+                    f"response_prefixes must have one text per prompt ({len(prompts)})"
+                )
+            ids = [list(t) if not isinstance(t, str)
+                   else self.tokenizer.encode(t, add_special_tokens=False) if t else []
+                   for t in response_prefixes]  # fmt: skip
+            forced = [i for i, n in zip(ids, sizes) for _ in range(n)]
         seeded = {}  # engines that take no seeds never see the key
         if seed is not None:
             seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
@@ -173,29 +189,37 @@ class CausalLMPolicy:
         local = isinstance(engine, tuple(LOCAL_ENGINES.values()))
         ctx = compute(self.compute_dtype, self.device_of_model()) if local else nullcontext()
         with ctx:
-            out = engine.generate(prompt_ids, params, greedy=greedy, **seeded)
+            out = engine.generate(
+                [p + f for p, f in zip(prompt_ids, forced)], params, greedy=greedy, **seeded
+            )
+        completions = [f + list(c) for f, c in zip(forced, out.completion_ids)]
         pad = self.tokenizer.pad_token_id
         p_ids = _pad([torch.tensor(p) for p in prompt_ids], pad, "left")  # [N, P]
         p_mask = _pad([torch.ones(len(p), dtype=torch.bool) for p in prompt_ids], 0, "left")
-        c_ids = _pad([torch.tensor(c) for c in out.completion_ids], pad, "right")  # [N, T]
-        c_mask = _pad(
-            [torch.ones(len(c), dtype=torch.bool) for c in out.completion_ids], 0, "right"
-        )
-        engine_logp = _pad([torch.tensor(lp) for lp in out.logprobs], 0.0, "right")  # [N, T]
+        c_ids = _pad([torch.tensor(c) for c in completions], pad, "right")  # [N, T]
+        c_mask = _pad([torch.ones(len(c), dtype=torch.bool) for c in completions], 0, "right")
+        # the loss mask [N, T]: the forced start is real text (attended, seen by the rewards) but
+        # no action of the policy
+        loss_mask = _pad(
+            [torch.tensor([False] * len(f) + [True] * len(c), dtype=torch.bool)
+             for f, c in zip(forced, out.completion_ids)], 0, "right",
+        )  # fmt: skip
+        engine_logp = _pad(
+            [torch.tensor([0.0] * len(f) + list(lp), dtype=torch.float32)
+             for f, lp in zip(forced, out.logprobs)], 0.0, "right",
+        )  # fmt: skip  # [N, T]
         batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
         return Rollout(
             group_ids=group_ids.repeat_interleave(torch.tensor(sizes)),  # [N]
             rewards={},
             actions=batch,
             old_logp=engine_logp.clone(),  # [N, T]; train.py may recompute it with the trainer
-            mask=c_mask.clone(),  # [N, T]
+            mask=loss_mask,  # [N, T]
             engine_logp=engine_logp,
             info={
                 "prompt": [p for p, n in zip(prompts, sizes) for _ in range(n)],
-                "completion": self.tokenizer.batch_decode(
-                    out.completion_ids, skip_special_tokens=True
-                ),
-                "completion_ids": out.completion_ids,
+                "completion": self.tokenizer.batch_decode(completions, skip_special_tokens=True),
+                "completion_ids": completions,
             },
         )
 

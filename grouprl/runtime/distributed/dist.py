@@ -120,22 +120,26 @@ class Dist:
         self, examples: list[dict], first_group_id: int, make
     ) -> tuple[Rollout, dict]:
         """make(examples of this process, their first group id) -> (Rollout, counts), on each
-        process's contiguous share of `examples`; returns the whole batch and the summed counts."""
+        process's contiguous share of `examples`; returns the whole batch and the summed counts.
+        Fewer examples than processes (a hint re-sampling one failed group): the processes
+        without a share sample nothing and still join the gather (rollout.prompts_per_step is
+        refused below the process count at setup, so a step's own batch always fills them)."""
         if self.world == 1:
             return make(examples, first_group_id)
+        if not examples:
+            raise ValueError("gather_groups: no examples to sample")
         share = chunks(list(range(len(examples))), self.world)[self.rank]
-        if not share:
-            raise ValueError(
-                f"{len(examples)} prompts for {self.world} processes: every process needs at least "
-                "one group; raise rollout.prompts_per_step"
-            )
-        rng = capture_rng()  # the global RNG must move identically on every process
-        try:
-            torch.manual_seed(sample_seed(self.seed, first_group_id, self.rank))  # global seeding
-            part = make([examples[i] for i in share], first_group_id + share[0])
-        finally:
-            restore_rng(rng)
-        parts = self.all_gather_object(part)
+        part = None  # an idle process's contribution
+        if share:
+            rng = capture_rng()  # the global RNG must move identically on every process
+            try:
+                torch.manual_seed(
+                    sample_seed(self.seed, first_group_id, self.rank)
+                )  # global seeding
+                part = make([examples[i] for i in share], first_group_id + share[0])
+            finally:
+                restore_rng(rng)
+        parts = [p for p in self.all_gather_object(part) if p is not None]
         return cat_rollouts([p[0] for p in parts]), _sum_dicts([p[1] for p in parts])
 
     # ---- scoring and the update -----------------------------------------------------------------
