@@ -449,3 +449,56 @@ def test_budget_trains_and_resumes_identically(budget, tmp_path, tiny_model_dir,
     wb = load_file(CheckpointManager(tmp_path / "b" / "run").latest() / "model" /
                    "model.safetensors")  # fmt: skip
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_two_processes_budget_equals_one(tiny_model_dir, tmp_path, reward_file):
+    """accelerate launch with 2 CPU processes (gloo), greso_allocate: each process samples its
+    share of the groups with their own G's; the budget metrics and the checkpointed sampler state
+    equal a one-process run's (per-sample seeding: the same samples)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from grouprl.runtime.checkpoint import CheckpointManager
+    from grouprl.train import train
+
+    root = Path(__file__).resolve().parents[1]
+
+    def _launch_two(config_path):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(root / "configs" / "accelerate" / "ddp.yaml"),
+               "--num_processes", "2", "--main_process_port", str(port),
+               "-m", "grouprl", "train", str(config_path)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    overrides = ["rollout.budget.type=greso_allocate", "train.steps=4", "checkpoint.every=2",
+                 "rollout.seeding=per_sample", "rollout.prompts_per_step=4", "run.seed=2",
+                 "rollout.group_size=8",
+                 "run.num_threads=1"]  # fmt: skip
+    one = make_cfg(tmp_path / "one", tiny_model_dir, reward_file, *overrides, skewed=True)
+    two = one.model_dump(mode="json")
+    two["run"]["output_dir"] = str(tmp_path / "two")
+    config_path = tmp_path / "cfg.yaml"
+    config_path.write_text(yaml.safe_dump(two))
+    _launch_two(config_path)
+    train(one)
+    r1, r2 = _train_rows(tmp_path / "one" / "run"), _train_rows(tmp_path / "two" / "run")
+    pick = [{k: v for k, v in r.items() if k.startswith("budget/")} for r in r1]
+    assert pick == [{k: v for k, v in r.items() if k.startswith("budget/")} for r in r2]
+    assert any(r["budget/G_min"] != r["budget/G_max"] for r in r1)
+    s1 = CheckpointManager.load(CheckpointManager(tmp_path / "one" / "run").latest())["sampler"]
+    s2 = CheckpointManager.load(CheckpointManager(tmp_path / "two" / "run").latest())["sampler"]
+    assert s1 == s2
+    for a, b in zip(r1, r2):  # the same samples and rewards; losses equal up to rounding
+        assert a["reward/mean"] == b["reward/mean"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
