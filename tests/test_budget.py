@@ -270,6 +270,55 @@ def test_collect_with_one_group_size_per_example(tiny_model, tiny_tokenizer):
         collect(policy, exs, [3], params, {"accuracy": acc})
 
 
+def test_dynamic_sampling_keeps_whole_unequal_groups():
+    """Rounds of groups sized [3, 1, 2] with rewards [1, 0, 0 | 1 | 0, 1]: the singleton is
+    dropped, groups of 3 and 2 kept; 3 groups wanted from 2 per round -> the second round's first
+    informative group completes the batch, cut at a group boundary."""
+    from grouprl.rollouts.filters import sample_until_full
+
+    def one_round(k):
+        ids = torch.tensor([0, 0, 0, 1, 2, 2]) + 10 * k  # [N]
+        r = torch.tensor([1.0, 0, 0, 1, 0, 1])  # [N]
+        mask = torch.ones(6, 1, dtype=torch.bool)  # [N, T]
+        return Rollout(ids, {"a": r}, None, torch.zeros(6, 1), mask)
+
+    out, m = sample_until_full(one_round, {"a": 1.0}, groups_wanted=3, max_rounds=5)
+    assert out.group_ids.tolist() == [0, 0, 0, 2, 2, 10, 10, 10]
+    assert m["dynamic/rounds"] == 2.0
+
+
+def test_text_workload_splits_group_sizes_over_processes(tiny_model_dir, tmp_path):
+    """Two fake processes each sample a contiguous share of the prompts: each gets the G's of its
+    own share (3 prompts with G = [2, 5, 3] -> rank 0: [2, 5], rank 1: [3])."""
+    from grouprl.rollouts.batching import chunks
+    from grouprl.rollouts.filters import cat_rollouts
+    from grouprl.workloads import build_workload
+    from grouprl.workloads.text import causal_lm_policy
+
+    cfg = validate({"workload": {"type": "text"}, "model": {"name_or_path": str(tiny_model_dir)},
+                    "task": {"name": "arithmetic"}, "run": {"output_dir": str(tmp_path)},
+                    "rollout": {"max_new_tokens": 2, "group_size": 4}})  # fmt: skip
+    calls = []
+
+    class TwoRanks:
+        def gather_groups(self, examples, first_group_id, make):
+            parts = []
+            for share in chunks(list(range(len(examples))), 2):
+                calls.append(share)
+                parts.append(make([examples[i] for i in share], first_group_id + share[0]))
+            return cat_rollouts([p[0] for p in parts]), {}
+
+    policy = causal_lm_policy(cfg, torch.device("cpu"))
+    w = build_workload(cfg, policy=policy, reward_fns={"accuracy": lambda completions, **_: [0.0]
+                       * len(completions)}, weights={"accuracy": 1.0}, dist=TwoRanks())  # fmt: skip
+    exs = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(3)]
+    got = w.collect(policy, exs, first_group_id=4, step=0, group_sizes=[2, 5, 3])
+    assert calls == [[0, 1], [2]]
+    assert got.rollout.group_ids.tolist() == [4, 4, 5, 5, 5, 5, 5, 6, 6, 6]
+    plain = w.collect(policy, exs, first_group_id=0, step=0)  # no sizes: rollout.group_size
+    assert plain.rollout.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
 # ---- config ---------------------------------------------------------------------------------------
 
 REWARDS_PY = '''
@@ -365,16 +414,17 @@ def test_greso_preset_trains_and_skips(tmp_path, tiny_model_dir, reward_file):
     assert sum(r["budget/predicted_zero_variance"] for r in rows) > 0
 
 
-def test_allocate_trains_with_unequal_groups_and_resumes_identically(
-    tmp_path, tiny_model_dir, reward_file
-):
+@pytest.mark.parametrize("budget", ["allocate", "greso", "greso_allocate"])
+def test_budget_trains_and_resumes_identically(budget, tmp_path, tiny_model_dir, reward_file):
+    """4 steps in one run vs 2 steps, checkpoint, resume for 2: the same budget metrics (skips,
+    G's), sampler state (history, p's, RNG) and weights. allocate: unequal groups happen."""
     from safetensors.torch import load_file
 
     from grouprl.runtime.checkpoint import CheckpointManager
     from grouprl.train import train
 
     # seed 2: the shuffle pairs prompts of different pass rates in steps 3 and 4 (unequal G)
-    common = ["rollout.budget.type=allocate", "train.steps=4", "checkpoint.every=2",
+    common = [f"rollout.budget.type={budget}", "train.steps=4", "checkpoint.every=2",
               "rollout.seeding=per_sample", "rollout.group_size=8", "run.seed=2"]  # fmt: skip
 
     def cfg(out, *more):
@@ -384,8 +434,13 @@ def test_allocate_trains_with_unequal_groups_and_resumes_identically(
     train(cfg(tmp_path / "b", "train.steps=2"))
     train(cfg(tmp_path / "b", "run.resume=true"))
     ra, rb = _train_rows(tmp_path / "a" / "run"), _train_rows(tmp_path / "b" / "run")
-    assert [r["budget/G_max"] for r in ra] == [r["budget/G_max"] for r in rb]
-    assert any(r["budget/G_min"] != r["budget/G_max"] for r in ra)  # unequal groups happened
+    budget_a = [{k: v for k, v in r.items() if k.startswith("budget/")} for r in ra]
+    assert budget_a == [{k: v for k, v in r.items() if k.startswith("budget/")} for r in rb]
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    if "allocate" in budget:  # unequal groups happened
+        assert any(r["budget/G_min"] != r["budget/G_max"] for r in ra)
+    if "greso" in budget:  # the all-fail prompts (5-9) were predicted and some skipped
+        assert sum(r["budget/skipped_prompts"] for r in ra) > 0
     sa = CheckpointManager.load(CheckpointManager(tmp_path / "a" / "run").latest())["sampler"]
     sb = CheckpointManager.load(CheckpointManager(tmp_path / "b" / "run").latest())["sampler"]
     assert sa == sb and len(sa["history"]["prompts"]) == 4
@@ -394,3 +449,56 @@ def test_allocate_trains_with_unequal_groups_and_resumes_identically(
     wb = load_file(CheckpointManager(tmp_path / "b" / "run").latest() / "model" /
                    "model.safetensors")  # fmt: skip
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_two_processes_budget_equals_one(tiny_model_dir, tmp_path, reward_file):
+    """accelerate launch with 2 CPU processes (gloo), greso_allocate: each process samples its
+    share of the groups with their own G's; the budget metrics and the checkpointed sampler state
+    equal a one-process run's (per-sample seeding: the same samples)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from grouprl.runtime.checkpoint import CheckpointManager
+    from grouprl.train import train
+
+    root = Path(__file__).resolve().parents[1]
+
+    def _launch_two(config_path):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(root / "configs" / "accelerate" / "ddp.yaml"),
+               "--num_processes", "2", "--main_process_port", str(port),
+               "-m", "grouprl", "train", str(config_path)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    overrides = ["rollout.budget.type=greso_allocate", "train.steps=4", "checkpoint.every=2",
+                 "rollout.seeding=per_sample", "rollout.prompts_per_step=4", "run.seed=2",
+                 "rollout.group_size=8",
+                 "run.num_threads=1"]  # fmt: skip
+    one = make_cfg(tmp_path / "one", tiny_model_dir, reward_file, *overrides, skewed=True)
+    two = one.model_dump(mode="json")
+    two["run"]["output_dir"] = str(tmp_path / "two")
+    config_path = tmp_path / "cfg.yaml"
+    config_path.write_text(yaml.safe_dump(two))
+    _launch_two(config_path)
+    train(one)
+    r1, r2 = _train_rows(tmp_path / "one" / "run"), _train_rows(tmp_path / "two" / "run")
+    pick = [{k: v for k, v in r.items() if k.startswith("budget/")} for r in r1]
+    assert pick == [{k: v for k, v in r.items() if k.startswith("budget/")} for r in r2]
+    assert any(r["budget/G_min"] != r["budget/G_max"] for r in r1)
+    s1 = CheckpointManager.load(CheckpointManager(tmp_path / "one" / "run").latest())["sampler"]
+    s2 = CheckpointManager.load(CheckpointManager(tmp_path / "two" / "run").latest())["sampler"]
+    assert s1 == s2
+    for a, b in zip(r1, r2):  # the same samples and rewards; losses equal up to rounding
+        assert a["reward/mean"] == b["reward/mean"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)

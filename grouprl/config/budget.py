@@ -7,6 +7,7 @@ One typed model per variant, picked by `type` (grouprl/rollouts/budget/ holds th
             streak; skipped prompts are replaced by further draws
   allocate  G per prompt by uncertainty, sqrt(p (1 - p)) of a smoothed pass rate, under the fixed
             total prompts_per_step x group_size (floor min_group_size, largest-remainder rounding)
+  greso_allocate  both: GRESO picks the prompts, the allocator sets their G (one history)
 Text workload only (the `budget` capability, grouprl/workloads/base.py).
 """
 
@@ -94,4 +95,14 @@ class AllocateBudget(_History):
     )
 
 
-BudgetConfig = Annotated[NoBudget | GresoBudget | AllocateBudget, Field(discriminator="type")]
+class GresoAllocateBudget(GresoBudget, AllocateBudget):
+    """GRESO's selector, then the allocator's G per selected prompt (knobs of both)."""
+
+    type: Literal["greso_allocate"] = Field(
+        "greso_allocate", description="Skip predicted zero-variance prompts, then G by uncertainty."
+    )
+
+
+BudgetConfig = Annotated[
+    NoBudget | GresoBudget | AllocateBudget | GresoAllocateBudget, Field(discriminator="type")
+]

@@ -59,7 +59,7 @@ def check_combinations(cfg: Config) -> None:
             f"rollout.budget.type={b.type!r} with curriculum.type={cfg.curriculum.type!r}: both "
             "choose the prompts; use one of them"
         )
-    if b.type == "allocate" and b.min_group_size > r.group_size:
+    if hasattr(b, "min_group_size") and b.min_group_size > r.group_size:
         raise ValueError(
             f"rollout.budget.min_group_size={b.min_group_size} > rollout.group_size="
             f"{r.group_size}: the total prompts_per_step x group_size cannot give every prompt "

@@ -45,7 +45,7 @@ class RolloutConfig(Section):
     budget: BudgetConfig = Field(
         default_factory=NoBudget,
         description="Rollout budget from each prompt's pass history: {type: none | greso | "
-        "allocate, ...} (grouprl/config/budget.py; text workload only).",
+        "allocate | greso_allocate, ...} (grouprl/config/budget.py; text workload only).",
     )
     max_prompt_tokens: int | None = Field(
         None,

@@ -9,9 +9,9 @@ Same interface as rollouts/prompt_sampler.PromptSampler (`next(n)`, `state_dict(
   finish_step()           after the step's rounds: GRESO's exploration update; the step's metrics
 
 greso (greso.py) skips drawn prompts with its skip probability and draws more; allocate
-(allocate.py) keeps the draws and sets their group sizes. The whole state (inner sampler position,
-history, exploration probabilities, RNG) is plain JSON-able values, so a resumed run draws and
-allocates exactly as an uninterrupted run would.
+(allocate.py) sets the group sizes of the drawn prompts; greso_allocate does both. The whole state
+(inner sampler position, history, exploration probabilities, RNG) is plain JSON-able values, so a
+resumed run draws and allocates exactly as an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -24,15 +24,19 @@ from grouprl.rollouts.budget.greso import adjust_exploration, prompt_skip_probab
 from grouprl.rollouts.budget.history import PassHistory, group_outcomes, prompt_key
 from grouprl.types import Rollout
 
+SELECTS = {"greso", "greso_allocate"}  # rollout.budget types that skip prompts (GRESO)
+ALLOCATES = {"allocate", "greso_allocate"}  # types that set G per prompt
+
 
 class BudgetSampler:
-    """Wraps a PromptSampler; `settings` is a rollout.budget model (greso or allocate)."""
+    """Wraps a PromptSampler; `settings` is a rollout.budget model (greso, allocate or both)."""
 
     def __init__(self, inner: Any, settings: Any, *, group_size: int, seed: int) -> None:
-        if settings.type not in ("greso", "allocate"):
-            raise ValueError(f"BudgetSampler needs rollout.budget greso or allocate, got "
-                             f"{settings.type!r}")  # fmt: skip
+        if settings.type not in SELECTS | ALLOCATES:
+            raise ValueError(f"BudgetSampler needs rollout.budget greso, allocate or "
+                             f"greso_allocate, got {settings.type!r}")  # fmt: skip
         self.inner, self.s, self.group_size = inner, settings, group_size
+        self.selects, self.allocates = settings.type in SELECTS, settings.type in ALLOCATES
         self.history = PassHistory(settings.window)
         self._rng = random.Random(seed * 1_000_003 + 17)
         self.p_easy = getattr(settings, "p_easy", None)
@@ -52,7 +56,7 @@ class BudgetSampler:
 
     def next(self, n: int) -> list[dict]:
         """n examples; greso: each drawn one is skipped with its skip probability and replaced."""
-        if self.s.type != "greso":
+        if not self.selects:
             out = self.inner.next(n)
             self._counts["drawn"] += n
             return out
@@ -79,7 +83,7 @@ class BudgetSampler:
 
     def group_sizes(self, examples: list[dict]) -> list[int] | None:
         """allocate: one G per example summing to len(examples) x group_size; else None."""
-        if self.s.type != "allocate":
+        if not self.allocates:
             self._sizes += [self.group_size] * len(examples)
             return None
         rates = [self.history.pass_rate(self._key(ex), self.s.prior_passes, self.s.prior_fails)
@@ -105,7 +109,7 @@ class BudgetSampler:
         groups = max(c["groups"], 1)
         easy, hard = c["all_pass"] / groups, c["all_fail"] / groups
         s = self.s
-        if s.type == "greso" and c["groups"] and getattr(self.inner, "epoch", 1) > 0:
+        if self.selects and c["groups"] and getattr(self.inner, "epoch", 1) > 0:
             target = s.target_zero_variance
             kw = dict(step=s.p_step, low=s.p_min, high=s.p_max)
             self.p_easy = adjust_exploration(self.p_easy, easy, target * s.easy_share, **kw)
@@ -122,7 +126,7 @@ class BudgetSampler:
             "budget/all_fail_frac": hard,
             "budget/prompts_tracked": float(len(self.history)),
         }
-        if s.type == "greso":
+        if self.selects:
             m["budget/p_easy"], m["budget/p_hard"] = self.p_easy, self.p_hard
         self._reset_step()
         return m
