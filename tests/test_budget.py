@@ -276,7 +276,7 @@ def test_dynamic_sampling_keeps_whole_unequal_groups():
     informative group completes the batch, cut at a group boundary."""
     from grouprl.rollouts.filters import sample_until_full
 
-    def one_round(k):
+    def one_round(k, size=None):
         ids = torch.tensor([0, 0, 0, 1, 2, 2]) + 10 * k  # [N]
         r = torch.tensor([1.0, 0, 0, 1, 0, 1])  # [N]
         mask = torch.ones(6, 1, dtype=torch.bool)  # [N, T]
