@@ -41,7 +41,8 @@ def informative_groups(reward: Tensor, group_ids: Tensor) -> Tensor:
 # per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
 # has the same width in every part and is joined as it is
 _TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
-                 "token_scales": 0.0, "advantages": 0.0, "step_ids": -1}  # fmt: skip
+                 "teacher_logp": 0.0, "token_scales": 0.0, "advantages": 0.0,
+                 "step_ids": -1}  # fmt: skip
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:

@@ -41,6 +41,8 @@ class Capabilities:
                          needs `rollout.examples`)
     prompt_guard:        rollout.max_prompt_tokens (over-long single-turn prompts filtered /
                          truncated before training)
+    distillation:        algorithm.distill (a teacher's log-probs of the sampled tokens filled in
+                         prepare, the distillation term in the loss)
     """
 
     multi_process: bool = False
@@ -48,6 +50,7 @@ class Capabilities:
     per_sample_seeding: bool = False
     curriculum: bool = False
     prompt_guard: bool = False
+    distillation: bool = False
 
 
 @dataclass
@@ -177,6 +180,10 @@ _ASKS = {
     "prompt_guard": (
         "rollout.max_prompt_tokens",
         lambda cfg, world: cfg.rollout.max_prompt_tokens is not None,
+    ),
+    "distillation": (
+        "algorithm.distill",
+        lambda cfg, world: getattr(cfg.algorithm, "distill", None) is not None,
     ),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked

@@ -22,6 +22,17 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 log-ratio) while TRL's RLOO exponentiates the summed log-ratio.
   reinforce_pp  verl's REINFORCE++-baseline example: k2 KL in the loss, coef 0.001, token_mean.
   gpg           plain REINFORCE surrogate, token_mean, no KL, no reference (verl example).
+  opd           on-policy distillation alone: pg_coef 0 and algorithm.distill {estimator k1,
+                coef 1.0}: per-token reverse KL(student || teacher) on the student's own samples,
+                the k1 score-function form, -(ls - lt) as a per-token advantage (Thinking
+                Machines, "On-Policy Distillation", blog 2025; GKD arXiv 2306.13649 with student
+                data fraction 1 and the reverse KL). Deviations: GKD's main form is the exact
+                (full-vocabulary) divergence, ours is k1 on the sampled tokens (estimator full is
+                the GKD form); the blog's loss is an importance-sampled policy gradient with the
+                sampling weights' log-probs in the advantage, ours uses the current weights' (the
+                same at the first update of a batch); no KL to a reference (kl_coef 0), and the
+                rewards are still computed (logged, unused with pg_coef 0). The teacher folder
+                is never part of a preset: algorithm.distill.teacher must be set.
 """
 
 from __future__ import annotations
@@ -275,6 +286,17 @@ TEXT_PRESETS: list[dict] = [
             "agent.omega": 1.0,
             "agent.norm": "mean_std_norm",
             "agent.invalid_penalty": 0.1,
+        },
+    ),
+    dict(
+        name="opd",
+        arxiv="2306.13649",
+        summary="On-policy distillation alone: per-token reverse KL to a teacher on the student's samples (k1).",
+        settings={
+            **_GRPO_CORE,
+            "pg_coef": 0.0,
+            "aggregation": "token_mean",
+            "distill": {"estimator": "k1", "coef": 1.0},
         },
     ),
 ]
