@@ -77,6 +77,39 @@ class TeacherModel:
             )[0]  # fmt: skip
 
 
+class EngineTeacher:
+    """The teacher served by an inference engine (algorithm.distill source `engine`): its
+    log-probs of the sampled tokens from the engine's scoring call (`engine.score(prompt ids,
+    completion ids)`, engines/vllm.py), padded to [N, T]. Engines score at temperature 1 only;
+    there is no full distribution (estimator `full` is refused at validation)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @torch.no_grad()
+    def log_probs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:  # [N, T]
+        if temperature != 1.0:
+            raise ValueError(
+                f"algorithm.distill.source='engine' scores at temperature 1 (vLLM's prompt "
+                f"log-probs skip the temperature), but rollout.temperature={temperature}; use "
+                "source 'model' or temperature 1"
+            )
+        prompts = [ids[m].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
+        completions = [
+            ids[m].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)
+        ]
+        scored = self.engine.score(prompts, completions)
+        out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)  # [N, T]
+        for i, row in enumerate(scored):
+            if len(row) != len(completions[i]):
+                raise RuntimeError(
+                    f"the teacher engine scored {len(row)} tokens of row {i}, which has "
+                    f"{len(completions[i])}"
+                )
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)  # [t_i]
+        return out.to(batch.completion_ids.device)  # [N, T]
+
+
 def check_teacher_folder(folder: str) -> None:
     """A local folder holding a model (config.json), else one error naming the key."""
     p = Path(folder).expanduser()
