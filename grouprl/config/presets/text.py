@@ -30,9 +30,11 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 (full-vocabulary) divergence, ours is k1 on the sampled tokens (estimator full is
                 the GKD form); the blog's loss is an importance-sampled policy gradient with the
                 sampling weights' log-probs in the advantage, ours uses the current weights' (the
-                same at the first update of a batch); no KL to a reference (kl_coef 0), and the
-                rewards are still computed (logged, unused with pg_coef 0). The teacher folder
-                is never part of a preset: algorithm.distill.teacher must be set.
+                same at the first update of a batch); the blog's discount factor is zero (each
+                token's own KL only), as here; aggregation token_mean is our choice; no KL to a
+                reference (kl_coef 0), and the rewards are still computed (logged, unused with
+                pg_coef 0). The teacher folder is never part of a preset:
+                algorithm.distill.teacher must be set (validation names it).
 """
 
 from __future__ import annotations
