@@ -169,3 +169,20 @@ def test_total_loss_without_teacher_logp_names_the_option():
             PolicyOutput(logp=logp), old_logp=logp.detach(), advantages=torch.zeros(1),
             mask=torch.ones(1, 2, dtype=torch.bool), algo=_algo("k1"), counts={},
         )  # fmt: skip
+
+
+def test_with_the_rl_loss_the_term_adds_to_the_policy_loss():
+    logp = torch.tensor([[-0.5, -1.0], [-0.2, -0.1]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    teacher = torch.tensor([[-1.0, -0.5], [-0.7, 0.0]])
+    common = dict(
+        old_logp=logp.detach(), advantages=torch.tensor([1.0, -1.0]), mask=mask, counts={}
+    )
+    rl = total_loss(PolicyOutput(logp=logp), algo=_algo("k3", pg_coef=1.0), **common,
+                    teacher_logp=teacher)  # fmt: skip
+    alone = total_loss(PolicyOutput(logp=logp), algo=_algo("k3", pg_coef=0.0), **common,
+                       teacher_logp=teacher)  # fmt: skip
+    # ratio 1: the clip surrogate is -A per token; token_mean over 3 tokens: -(1 + 1 - 1) / 3
+    assert abs(rl.metrics["pg_loss"] - (-1.0 / 3)) < 1e-6
+    assert abs(rl.metrics["loss"] - (rl.metrics["pg_loss"] + alone.metrics["loss"])) < 1e-6
+    assert abs(alone.metrics["loss"] - alone.metrics["distill_loss"]) < 1e-9

@@ -170,3 +170,50 @@ def test_opd_steps_lower_the_kl_to_the_teacher(tmp_path, tiny_model_dir, teacher
     before = _mean_full_kl(tiny_model_dir, teacher_dir, batch)
     after = _mean_full_kl(final, teacher_dir, batch)
     assert after < factor * before, (before, after)
+
+
+# ---- the full-vocabulary KL through the policy: chunked == naive --------------------------------
+
+
+def _naive_full_kl(student, teacher_model, batch, temperature):
+    """Whole [N, T, V] logits of both models, no chunking: the reference numbers."""
+    from grouprl.objectives.distill import full_reverse_kl
+
+    def logits(model):
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)  # [N, P+T]
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)  # [N, P+T]
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+        p = batch.prompt_ids.shape[1]
+        return out[:, p - 1 : -1] / temperature  # [N, T, V]
+
+    s, t = logits(student.model), logits(teacher_model).detach()
+    n, T, V = s.shape
+    kl = full_reverse_kl(s.reshape(-1, V), t.reshape(-1, V)).view(n, T)  # [N, T]
+    return kl.masked_fill(~batch.completion_mask, 0.0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+def test_full_kl_in_chunks_matches_the_naive_full_logits(tiny_model_dir, teacher_dir, chunk_size):
+    from grouprl.objectives.distill import full_reverse_kl
+
+    student = CausalLMPolicy.from_pretrained(str(tiny_model_dir))
+    teacher = TeacherModel.from_folder(str(teacher_dir), student_tokenizer=student.tokenizer)
+    torch.manual_seed(0)
+    batch = student.sample(["1+2=", "13+4="], 3, SamplingParams(max_new_tokens=5)).actions
+    batch.completion_mask[0, 3:] = False  # shorter completions: right padding is exercised
+    batch.completion_mask[4, 1:] = False
+    batch.completion_ids[~batch.completion_mask] = student.tokenizer.pad_token_id
+    got = student.distill_kl(
+        batch, teacher.model, full_reverse_kl, temperature=0.7, chunk_size=chunk_size
+    )  # [N, T]
+    got.sum().backward()
+    g_got = [p.grad.clone() for p in student.trainable_parameters()]
+    student.model.zero_grad(set_to_none=True)
+    want = _naive_full_kl(student, teacher.model, batch, 0.7)
+    want.sum().backward()
+    g_want = [p.grad for p in student.trainable_parameters()]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert float(want[batch.completion_mask].min()) > 0  # a real KL, not zeros
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
