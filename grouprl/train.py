@@ -301,7 +301,7 @@ def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak
     return streak
 
 
-_LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss"}
+_LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss", "distill_loss"}
 MAX_OVERFLOW_RETRIES = 16  # float16: halvings of the loss scale tried on one minibatch (2^16 -> 1)
 
 

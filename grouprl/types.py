@@ -104,6 +104,8 @@ class Rollout:
     mask:         Bool[N, T]        which action slots count in the loss
     engine_logp:  Float[N, T]|None  log-probs reported by the inference engine (mismatch correction)
     ref_logp:     Float[N, T]|None  log-probs under the frozen reference (filled when KL is on)
+    teacher_logp: Float[N, T]|None  the distillation teacher's log-probs of the sampled tokens
+                                    (filled when algorithm.distill is set with k1 / k3)
     advantages:   Float[N]|Float[N,T]|None  filled by train.py after scoring
     token_scales: Float[N, T]|None  per-token loss scales (lambda-GRPO, EGSW), detached
     seq_weights:  Float[N]|None     per-sequence loss weights (Delta-L), detached
@@ -128,6 +130,7 @@ class Rollout:
     mask: Tensor
     engine_logp: Tensor | None = None
     ref_logp: Tensor | None = None
+    teacher_logp: Tensor | None = None
     advantages: Tensor | None = None
     token_scales: Tensor | None = None
     seq_weights: Tensor | None = None

@@ -85,19 +85,24 @@ def for_preset(name: str) -> dict:
     return minimal()
 
 
+def preset_algorithm(name: str) -> dict:
+    """{"preset": name}, plus the teacher folder a distillation preset cannot carry itself."""
+    if "distill" in preset_settings(name):
+        return {"preset": name, "distill": {"teacher": "teacher-folder"}}
+    return {"preset": name}
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_applies_its_settings(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no preset may trip its own combination checks
-        cfg = validate({**for_preset(name), "algorithm": {"preset": name}})
+        cfg = validate({**for_preset(name), "algorithm": preset_algorithm(name)})
     settings = preset_settings(name)
     assert settings, name
     for key, value in settings.items():
-        if key == "surrogate":  # a mapping: its type and knobs
-            assert cfg.algorithm.surrogate.model_dump() == {
-                **cfg.algorithm.surrogate.model_dump(),
-                **value,
-            }, name
+        if key in ("surrogate", "distill"):  # a mapping: its type and knobs
+            got = getattr(cfg.algorithm, key).model_dump()
+            assert got == {**got, **value}, name
             continue
         assert getattr(cfg.algorithm, key) == value, (name, key)
     assert cfg.algorithm.preset == name
@@ -105,7 +110,7 @@ def test_every_preset_applies_its_settings(name):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_fields_a_preset_leaves_out_keep_the_defaults(name):
-    cfg = validate(with_algorithm(preset=name))
+    cfg = validate(with_algorithm(**preset_algorithm(name)))
     defaults = AlgorithmConfig.model_fields
     for key, field in defaults.items():
         if key == "preset" or key in preset_settings(name):

@@ -188,6 +188,9 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
     settings = {**preset_settings(name), "kl_coef": 0.05, "kl_mode": "loss", "entropy_coef": 0.01}
     if settings.get("surrogate", {}).get("type") != "tpo":  # TPO refuses token weights
         settings["engine_correction"] = "token_truncate"
+    if "distill" in settings:  # a preset never names the teacher (opd)
+        settings["distill"] = {**settings["distill"], "teacher": "teacher-folder"}
+    teacher = old + 0.3 * torch.randn(n, t, generator=g, dtype=F64)
     algo = AlgorithmConfig.model_validate({**settings, "preset": name})  # the typed surrogate
     group_ids = torch.tensor([0, 0, 1, 2, 2, 2])  # the micro-batches below hold whole groups
     counts = count_tokens(mask, max_len=8, group_ids=group_ids)
@@ -199,6 +202,7 @@ def test_every_preset_runs_and_splits_into_micro_batches(name):
             old_logp=old[rows, :width], advantages=adv[rows], mask=mask[rows, :width], algo=algo,
             counts=counts, ref_logp=ref[rows, :width], engine_logp=engine[rows, :width],
             group_ids=group_ids[rows], seq_weights=None if w is None else w[rows],
+            teacher_logp=teacher[rows, :width],
         )  # fmt: skip
 
     logp_a, ent_a = logp0.clone().requires_grad_(True), ent0.clone().requires_grad_(True)

@@ -10,7 +10,7 @@ from grouprl.config.presets import PRESETS, Preset, preset_settings
 EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
     "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo", "gigpo",
-    "hint", "replay", "greso", "treerpo",
+    "hint", "replay", "greso", "treerpo", "opd",
 ]  # fmt: skip
 MINIMAL = {
     "workload": {"type": "text"},
@@ -40,7 +40,8 @@ def test_every_setting_is_a_config_field_and_lands_in_the_resolved_config(name):
     every setting (algorithm fields and "section.field" ones) appears in the resolved config."""
     preset = PRESETS[name]
     assert preset.arxiv.count(".") == 1 and preset.summary.endswith(".")
-    cfg = validate({**MINIMAL, "algorithm": {"preset": name}})
+    own = {"distill": {"teacher": "teacher-folder"}} if name == "opd" else {}  # never a preset's
+    cfg = validate({**MINIMAL, "algorithm": {"preset": name, **own}})
     settings = preset_settings(name)
     assert "advantage" in settings  # every preset picks its estimator
     for key, value in settings.items():

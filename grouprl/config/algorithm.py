@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from grouprl.config.distill import DistillConfig
 from grouprl.config.migration import migrate_algorithm
 from grouprl.config.presets import preset_settings
 from grouprl.config.section import Section
@@ -41,6 +42,11 @@ class AlgorithmConfig(Section):
         "reinforce | clip_cov | kl_cov | pmd | tpo, ...} (grouprl/config/surrogates.py).",
     )
     pg_coef: float = Field(1.0, ge=0, description="Weight of the policy-gradient term (0: none).")
+    distill: DistillConfig | None = Field(
+        None,
+        description="On-policy distillation from a teacher as a loss term: {teacher, source, "
+        "estimator, coef, chunk_size} (grouprl/config/distill.py); None: off.",
+    )
     aggregation: Aggregation = Field("seq_mean_token_mean", description="Loss aggregation.")
     delta_l_alpha: float = Field(
         0.75, ge=0, description="Delta-L length exponent (arXiv 2509.07558)."
@@ -103,9 +109,12 @@ class AlgorithmConfig(Section):
             preset = data.get("preset", "grpo")
             settings = preset_settings(preset)
             surrogate = merge_surrogate(settings.pop("surrogate", None), data.get("surrogate"))
+            distill = merge_distill(settings.pop("distill", None), data.get("distill"))
             data = {**settings, **data, "preset": preset}
             if surrogate is not None:
                 data["surrogate"] = surrogate
+            if distill is not None:
+                data["distill"] = distill
         return data
 
 
@@ -121,3 +130,22 @@ def merge_surrogate(preset: Any, mine: Any) -> Any:
     if not isinstance(mine, dict) or mine.get("type", preset.get("type")) != preset.get("type"):
         return mine
     return {**preset, **mine}
+
+
+def merge_distill(preset: Any, mine: Any) -> Any:
+    """The preset's distill mapping (estimator, coef: never a teacher) under the config's: the
+    config's keys win; a preset with distillation and a config without a teacher fails at
+    validation, naming algorithm.distill.teacher."""
+    if not isinstance(preset, dict):
+        return mine
+    if mine is None:
+        mine = {}
+    if not isinstance(mine, dict):
+        return mine  # a typed DistillConfig given from Python, or a wrong value: validated as is
+    merged = {**preset, **mine}
+    if "teacher" not in merged:
+        raise ValueError(
+            "algorithm.distill.teacher is needed: the preset distils from a teacher, and a "
+            "preset cannot name one; set algorithm.distill.teacher=<local model folder>"
+        )
+    return merged

@@ -94,6 +94,13 @@ def check_combinations(cfg: Config) -> None:
             "reward_aggregation='normalize_then_sum' (GDPO) defines the whole advantage; it needs "
             f"advantage='grpo' and scale='group', got {a.advantage!r} / {a.scale!r}"
         )
+    distill = getattr(a, "distill", None)
+    if distill is not None and distill.source == "engine" and r.temperature != 1.0:
+        raise ValueError(
+            f"algorithm.distill.source='engine' scores the teacher at temperature 1 (vLLM's "
+            f"prompt log-probs skip the temperature), but rollout.temperature={r.temperature}; "
+            "use algorithm.distill.source 'model' or rollout.temperature 1"
+        )
     from grouprl.workloads import refuse_unsupported, workload_of  # imports the modalities
 
     refuse_unsupported(workload_of(cfg), cfg)  # options the workload cannot honour (one process)

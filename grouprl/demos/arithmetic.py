@@ -62,6 +62,17 @@ def warm_up(cfg, task, out_dir: Path, steps: int, target: float, console: Consol
     return out_dir
 
 
+def cached_warm_up(cfg, task, max_steps: int, target: float, console: Console) -> Path:
+    """The warm-up folder of this config, made once: its name carries everything it depends on
+    (the task, the model sizes, the seed, the warm-up's budget and target), so every demo that
+    warms up the same way (grouprl.demos.distill) reuses it."""
+    recipe = [cfg.task.model_dump(), MODEL, cfg.run.seed, max_steps, target]
+    key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-{key}"
+    warm_dir.parent.mkdir(parents=True, exist_ok=True)
+    return warm_up(cfg, task, warm_dir, max_steps, target, console)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grouprl.demos.arithmetic", description=__doc__)
     parser.add_argument("--warmup-max-steps", type=int, default=3000)
@@ -72,13 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     console = Console()
     cfg = load_config(CONFIG, args.overrides)
-    # the warm-up is cached: its folder name carries everything it depends on
-    recipe = [cfg.task.model_dump(), MODEL, cfg.run.seed, args.warmup_max_steps, args.warmup_target]
-    key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
-    warm_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-warmup-{key}"
-    warm_dir.parent.mkdir(parents=True, exist_ok=True)
     task = build_task(cfg.task.name, **cfg.task.options)  # built once: warm-up data and the count
-    model_dir = warm_up(cfg, task, warm_dir, args.warmup_max_steps, args.warmup_target, console)
+    model_dir = cached_warm_up(cfg, task, args.warmup_max_steps, args.warmup_target, console)
     cfg = load_config(
         CONFIG, [*args.overrides, f"model.name_or_path={model_dir}", "run.overwrite=true"]
     )

@@ -4,6 +4,9 @@
          + kl_coef * aggregate(KL)            when kl_mode == "loss" and kl_coef > 0
                                               (KL x pi_theta/pi_old with kl_weighting "importance")
          - entropy_coef * aggregate(H)        when entropy_coef != 0
+         + distill.coef * aggregate(KL(pi_theta || pi_teacher))   when algo.distill is set
+                                              (distill.py: k1 / k3 from teacher_logp, full from
+                                              the policy's exact per-position KL `distill_kl`)
 
 Pieces and sources: surrogates in losses.py; KL estimators in kl.py (Schulman's k1/k2/k3, as in
 DeepSeekMath GRPO arXiv 2402.03300); engine mismatch weights in correction.py; the high-entropy token
@@ -32,7 +35,7 @@ Choices:
   `algo.surrogate` is passed to policy_loss as it is (the surrogate's config: type and knobs);
   pg_coef is read with getattr and its default 1.0, so config objects without it still work.
 
-Metrics: `loss`, `pg_loss` (and `kl_loss`, `entropy_loss` when active) are this micro-batch's share of
+Metrics: `loss`, `pg_loss` (and `kl_loss`, `entropy_loss`, `distill_loss` when active) are this micro-batch's share of
 the step's loss: sum them over micro-batches. `kl` and `entropy` are means over this micro-batch's
 valid slots, like the other policy_loss and correction metrics: average them.
 """
@@ -46,6 +49,7 @@ from torch import Tensor
 
 from grouprl.objectives.aggregation import AGG_COUNTS, aggregate, local_counts, masked_mean
 from grouprl.objectives.correction import engine_is_weights
+from grouprl.objectives.distill import distill_loss_term
 from grouprl.objectives.entropy import entropy_bonus, high_entropy_mask
 from grouprl.objectives.kl import importance_weighted_kl, kl_penalty
 from grouprl.objectives.losses import policy_loss
@@ -212,6 +216,8 @@ def total_loss(
     group_ids: Tensor | None = None,
     token_scales: Tensor | None = None,
     seq_weights: Tensor | None = None,
+    teacher_logp: Tensor | None = None,
+    distill_kl: Tensor | None = None,
 ) -> LossOutput:
     """The training loss of one micro-batch (see module docstring).
 
@@ -220,6 +226,8 @@ def total_loss(
     algo: anything with the `algorithm:` config fields (attribute access). counts: global
     {num_tokens, num_seqs, max_len[, num_groups]} of the optimizer step (count_tokens). generator:
     for clip_cov. group_ids [n]: for TPO. token_scales [n, T], seq_weights [n]: see module doc.
+    teacher_logp [n, T] (k1 / k3) or distill_kl [n, T] (full): the distillation term's inputs,
+    read when `algo.distill` (getattr, default None) is set.
     """
     mask = mask.bool()  # [n, T]
     logp = policy_out.logp  # [n, T]
@@ -246,5 +254,13 @@ def total_loss(
     ):
         if term is not None:
             loss = loss + term  # scalar
+    distill = getattr(algo, "distill", None)
+    if distill is not None:
+        term, distill_metrics = distill_loss_term(
+            logp, mask, distill, algo.aggregation, agg_counts,
+            teacher_logp=teacher_logp, full_kl=distill_kl,
+        )  # fmt: skip
+        metrics.update(distill_metrics)
+        loss = loss + term  # scalar
     metrics["loss"] = float(loss.detach())
     return LossOutput(loss=loss, metrics=metrics)

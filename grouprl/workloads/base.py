@@ -46,6 +46,8 @@ class Capabilities:
     tree_rollouts:       rollout.tree (each group sampled as a tree, rollouts/fork.py)
     budget:              rollout.budget greso / allocate (prompts skipped from their pass
                          history; `collect` takes `group_sizes`, one G per example)
+    distillation:        algorithm.distill (a teacher's log-probs of the sampled tokens filled in
+                         prepare, the distillation term in the loss)
     """
 
     multi_process: bool = False
@@ -56,6 +58,7 @@ class Capabilities:
     signal_hooks: bool = False
     tree_rollouts: bool = False
     budget: bool = False
+    distillation: bool = False
 
 
 @dataclass
@@ -190,6 +193,10 @@ _ASKS = {
     "signal_hooks": ("rollout.hooks", lambda cfg, world: bool(cfg.rollout.hooks)),
     "tree_rollouts": ("rollout.tree", lambda cfg, world: cfg.rollout.tree.type != "none"),
     "budget": ("rollout.budget", lambda cfg, world: cfg.rollout.budget.type != "none"),
+    "distillation": (
+        "algorithm.distill",
+        lambda cfg, world: getattr(cfg.algorithm, "distill", None) is not None,
+    ),
 }
 assert set(_ASKS) == {f.name for f in fields(Capabilities)}  # every capability is checked
 

@@ -18,6 +18,7 @@ from grouprl.envs.rewards import RewardFn
 from grouprl.policies.text.causal_lm import LOCAL_ENGINES, CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
+from grouprl.policies.text.teacher import TeacherModel
 from grouprl.rollouts.batching import single_pass
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
@@ -59,6 +60,29 @@ def causal_lm_policy(
     return policy.to(device)
 
 
+def distill_teacher(cfg: Any, policy: Any) -> Any:
+    """algorithm.distill -> the frozen teacher beside the policy (None when off), built once
+    before the run directory is touched: source model, a TeacherModel in model.dtype on the
+    policy's device; source engine, a vLLM engine on the teacher folder that scores the sampled
+    tokens (engines/vllm.py). Errors name algorithm.distill.teacher (a missing folder, another
+    tokenizer)."""
+    d = getattr(cfg.algorithm, "distill", None)
+    if d is None:
+        return None
+    student = getattr(policy, "policy", policy)  # runtime/distributed's wrapper holds it
+    if d.source == "engine":
+        from grouprl.policies.text.engines.vllm_setup import teacher_from_config  # imports vllm
+
+        return teacher_from_config(cfg, student.tokenizer)
+    teacher = TeacherModel.from_folder(
+        d.teacher, student_tokenizer=student.tokenizer,
+        student_model=student.model if d.estimator == "full" else None,
+        dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+        path=cfg.model.logprob_path,
+    )  # fmt: skip
+    return teacher.to(student.device_of_model())
+
+
 def sampling_params(cfg: Any) -> SamplingParams:
     """rollout: -> the engine's sampling parameters."""
     r = cfg.rollout
@@ -95,6 +119,7 @@ class TextWorkload:
     capabilities: ClassVar[Capabilities] = Capabilities(
         multi_process=True, async_rollouts=True, per_sample_seeding=True, curriculum=True,
         prompt_guard=True, signal_hooks=True, budget=True, tree_rollouts=True,
+        distillation=True,
     )  # fmt: skip
     settings: ClassVar[None] = None
 
@@ -102,6 +127,7 @@ class TextWorkload:
         self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
         self.reward_fns = parts.reward_fns  # name -> batched function
         self.params = sampling_params(parts.cfg)
+        self.teacher = distill_teacher(parts.cfg, parts.policy)  # once per run; None: off
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> CausalLMPolicy:
@@ -149,12 +175,14 @@ class TextWorkload:
         return rollout, {}
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
-        return prepare(self.cfg, scorer, rollout, weights)
+        return prepare(self.cfg, scorer, rollout, weights, teacher=self.teacher)
 
     def micro_loss(
         self, sub: Rollout, counts: dict[str, Any], *, single_pass: bool
     ) -> tuple[LossOutput, Tensor]:
-        return token_micro_loss(self.cfg, self.policy, sub, counts, single_pass=single_pass)
+        return token_micro_loss(
+            self.cfg, self.policy, sub, counts, single_pass=single_pass, teacher=self.teacher
+        )
 
     def after_update(self, step: int, rollout: Rollout) -> dict[str, float]:
         return step_mismatch(self.cfg, rollout)

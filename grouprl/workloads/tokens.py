@@ -6,7 +6,8 @@ environment's tokens are masked out), so both:
   and loss weights. Fills, on the Rollout: old_logp (when the update is off-policy), ref_logp (KL),
   advantages [N] (agents: [N, T] from their per-turn credit), token_scales [N, T] (lambda-GRPO
   prefix-share scales x EGSW weights) and seq_weights [N] (Delta-L), all computed over the WHOLE
-  batch, so that any micro-batch split sees the same numbers;
+  batch, so that any micro-batch split sees the same numbers; with algorithm.distill (k1 / k3)
+  also teacher_logp [N, T], the teacher's log-probs of the sampled tokens;
 - score a micro-batch with `policy.log_probs` and hand the log-probs to the one objective library
   (objectives.total_loss).
 """
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from grouprl.objectives import compute_advantages, sequence_kl, total_loss
 from grouprl.objectives.aggregation import delta_l_weights
+from grouprl.objectives.distill import SAMPLED_ESTIMATORS, full_reverse_kl
 from grouprl.objectives.token_scales import egsw_weights, prefix_share_scales
 from grouprl.objectives.tree import shared_segment_scales, tree_from_paths, tree_token_advantages
 from grouprl.rollouts.batching import recompute_old
@@ -39,10 +41,12 @@ def prepare(
     rollout: Rollout,
     weights: dict[str, float],
     credit: TokenCredit = None,
+    teacher: Any = None,
 ) -> dict[str, float]:
     """Fill the rollout for the loss (see module docstring); return reward / length metrics.
     credit: per-token advantages of multi-turn episodes (workloads/agent.py); None for the group
-    advantages of algorithm.advantage."""
+    advantages of algorithm.advantage. teacher: the distillation teacher (algorithm.distill):
+    anything with `log_probs(batch, temperature) -> [N, T]`."""
     a, temp = cfg.algorithm, cfg.rollout.temperature
     batch = rollout.actions
     current = None  # a no-grad forward of the current policy, made at most once
@@ -63,6 +67,13 @@ def prepare(
             kl = sequence_kl(current_policy().logp, rollout.ref_logp, rollout.mask, a.kl_estimator)
             rollout.rewards["kl_penalty"] = -a.kl_coef * kl  # [N]
             weights = {**weights, "kl_penalty": 1.0}
+    distill = getattr(a, "distill", None)
+    if distill is not None and distill.estimator in SAMPLED_ESTIMATORS:
+        if teacher is None:
+            raise ValueError("algorithm.distill is set but the workload built no teacher")
+        rollout.teacher_logp = teacher.log_probs(batch, temperature=temp).to(
+            rollout.mask.device
+        )  # [N, T]
     lengths = batch.lengths.float()  # [N]
     if credit is not None:  # multi-turn episodes: per-turn credit
         rollout.advantages = credit(rollout)  # [N, T]
@@ -111,9 +122,17 @@ def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
 
 
 def token_micro_loss(
-    cfg: Any, policy: Any, sub: Rollout, counts: dict[str, Any], *, single_pass: bool
+    cfg: Any,
+    policy: Any,
+    sub: Rollout,
+    counts: dict[str, Any],
+    *,
+    single_pass: bool,
+    teacher: Any = None,
 ) -> tuple[LossOutput, Tensor]:
     """The loss of micro-batch `sub` and the pi_old log-probs it used, [n, T].
+    teacher: the distillation teacher; with algorithm.distill.estimator 'full' the exact KL of
+    this micro-batch is computed here (it needs both models' logits at once, chunked).
 
     single_pass: the update's own forward is pi_old (detached); otherwise the rollout's old_logp
     (or, with rollout.old_logp 'engine', the engine's log-probs)."""
@@ -129,9 +148,23 @@ def token_micro_loss(
     kept = old  # the trainer's score of the sampling weights, kept on the rollout (single pass)
     if cfg.rollout.old_logp == "engine":
         old = sub.engine_logp  # [n, T]
+    distill, distill_kl = getattr(a, "distill", None), None
+    if distill is not None and distill.estimator == "full":
+        if teacher is None:
+            raise ValueError("algorithm.distill.estimator='full' but the workload built no teacher")
+        if not hasattr(policy, "distill_kl"):
+            raise ValueError(
+                "algorithm.distill.estimator='full' needs a policy with distill_kl (a single "
+                f"process' CausalLMPolicy), got {type(policy).__name__}; use k1 or k3"
+            )
+        distill_kl = policy.distill_kl(
+            sub.actions, teacher.model, full_reverse_kl,
+            temperature=cfg.rollout.temperature, chunk_size=distill.chunk_size,
+        )  # fmt: skip  # [n, T]
     res = total_loss(
         out, old_logp=old, advantages=sub.advantages, mask=sub.mask,
         algo=a, counts=counts, ref_logp=sub.ref_logp, engine_logp=sub.engine_logp,
         group_ids=sub.group_ids, token_scales=sub.token_scales, seq_weights=sub.seq_weights,
+        teacher_logp=sub.teacher_logp, distill_kl=distill_kl,
     )  # fmt: skip
     return res, kept

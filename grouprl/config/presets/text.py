@@ -53,6 +53,19 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 sampling batch size, estimated from this step's rounds instead of a running
                 average); easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
                 greso.py lists every deviation of the selector).
+  opd           on-policy distillation alone: pg_coef 0 and algorithm.distill {estimator k1,
+                coef 1.0}: per-token reverse KL(student || teacher) on the student's own samples,
+                the k1 score-function form, -(ls - lt) as a per-token advantage (Thinking
+                Machines, "On-Policy Distillation", blog 2025; GKD arXiv 2306.13649 with student
+                data fraction 1 and the reverse KL). Deviations: GKD's main form is the exact
+                (full-vocabulary) divergence, ours is k1 on the sampled tokens (estimator full is
+                the GKD form); the blog's loss is an importance-sampled policy gradient with the
+                sampling weights' log-probs in the advantage, ours uses the current weights' (the
+                same at the first update of a batch); the blog's discount factor is zero (each
+                token's own KL only), as here; aggregation token_mean is our choice; no KL to a
+                reference (kl_coef 0), and the rewards are still computed (logged, unused with
+                pg_coef 0). The teacher folder is never part of a preset:
+                algorithm.distill.teacher must be set (validation names it).
 """
 
 from __future__ import annotations
@@ -375,6 +388,17 @@ TEXT_PRESETS: list[dict] = [
             "tree_scales": "shared_segment",
             "rollout.group_size": 8,
             "rollout.tree": {"type": "fixed", "branching": [2, 2, 2]},
+        },
+    ),
+    dict(
+        name="opd",
+        arxiv="2306.13649",
+        summary="On-policy distillation alone: per-token reverse KL to a teacher on the student's samples (k1).",
+        settings={
+            **_GRPO_CORE,
+            "pg_coef": 0.0,
+            "aggregation": "token_mean",
+            "distill": {"estimator": "k1", "coef": 1.0},
         },
     ),
 ]

@@ -29,7 +29,11 @@ from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwra
 from grouprl.policies.text.engines.fast import FastEngine
 from grouprl.policies.text.engines.hf import HFEngine
 from grouprl.policies.text.loading import DType, Prompt, encode_prompts, load_causal_lm
-from grouprl.policies.text.logprobs import completion_logprobs
+from grouprl.policies.text.logprobs import (
+    chunked_pair_head,
+    completion_hidden,
+    completion_logprobs,
+)
 from grouprl.policies.text.lora import LoRASettings, add_lora
 from grouprl.policies.text.lora import lora_settings as _lora_settings
 from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
@@ -247,6 +251,36 @@ class CausalLMPolicy:
                 path=self.logprob_path,
             )  # [N, T] each
         return PolicyOutput(logp=logp, entropy=entropy)
+
+    def distill_kl(
+        self,
+        batch: TokenBatch,
+        teacher_model: Any,
+        kl_fn: Any,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+    ) -> Tensor:
+        """The exact per-position KL [N, T] between this policy and a frozen `teacher_model`
+        (same tokenizer) on the completions of `batch`: kl_fn(student logits [c, V], teacher
+        logits [c, V]) -> [c], both divided by temperature, over chunks of the real completion
+        positions (logprobs.chunked_pair_head: [chunk, V] logits of each model at once).
+        Differentiable in this policy; the teacher runs without gradient; masked slots 0.
+        Both decoders run the plain scoring path (one [prompt | completion] pass each)."""
+        student = unwrap_peft(self.model)
+        with compute(self.compute_dtype, batch.prompt_ids.device):
+            hidden, device = completion_hidden(student, batch)  # [N, T, H]
+            with torch.no_grad():
+                t_hidden, _ = completion_hidden(teacher_model, batch)  # [N, T, H']
+            mask = batch.completion_mask.to(device)  # [N, T]
+            kl = chunked_pair_head(
+                hidden[mask], student.get_output_embeddings(),
+                t_hidden[mask].to(device), teacher_model.get_output_embeddings(), kl_fn,
+                temperature=temperature, chunk_size=chunk_size,
+                vocab_size=student.config.get_text_config().vocab_size,
+            )  # fmt: skip  # [M]
+        full = torch.zeros(mask.shape, dtype=kl.dtype, device=device)  # [N, T]
+        return full.masked_scatter(mask, kl)  # [N, T]
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[_Scorer]:

@@ -171,6 +171,27 @@ def plain_completion_logprobs(
     runs on [left-padded prompt | right-padded completion] and its LM head goes through
     `chunked_head_logprobs`, so full-vocabulary logits never exist for the whole batch.
     """
+    hidden, device = completion_hidden(model, batch)  # [N, T, H]
+    logp, entropy = chunked_head_logprobs(
+        hidden,
+        model.get_output_embeddings(),
+        batch.completion_ids.to(device),  # [N, T]
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        vocab_size=model.config.get_text_config().vocab_size,
+    )  # [N, T] each
+    cmask = batch.completion_mask.to(device)  # [N, T]
+    logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
+    entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
+    return logp, entropy
+
+
+def completion_hidden(model: Any, batch: TokenBatch) -> tuple[Tensor, torch.device]:
+    """The decoder states [N, T, H] that predict the completion tokens 0..T-1 (differentiable when
+    grad is on), and the model's device: one pass over [left-padded prompt | right-padded
+    completion] with position ids from the attention mask."""
     device = next(model.parameters()).device
     P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     if P < 1 or T < 1:
@@ -187,21 +208,49 @@ def plain_completion_logprobs(
         position_ids=position_ids[:, :-1],
         use_cache=False,
     ).last_hidden_state  # [N, P+T-1, H]
-    hidden = hidden[:, P - 1 :]  # [N, T, H]: the states that predict completion tokens 0..T-1
-    logp, entropy = chunked_head_logprobs(
-        hidden,
-        model.get_output_embeddings(),
-        batch.completion_ids.to(device),  # [N, T]
-        temperature=temperature,
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        vocab_size=model.config.get_text_config().vocab_size,
-    )  # [N, T] each
-    cmask = batch.completion_mask.to(device)  # [N, T]
-    logp = logp.masked_fill(~cmask, 0.0)  # [N, T]
-    entropy = entropy.masked_fill(~cmask, 0.0) if entropy is not None else None  # [N, T]
-    return logp, entropy
+    return hidden[:, P - 1 :], device  # [N, T, H]
+
+
+def chunked_pair_head(
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    other_hidden: Tensor,
+    other_head: Callable[[Tensor], Tensor],
+    fn: Callable[[Tensor, Tensor], Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """fn(head(h) / temperature, other_head(o) / temperature) -> [c] over rows of hidden [M, H]
+    and other_hidden [M, H] (one row per position), a chunk of positions at a time, so that only
+    [chunk, V] logits of each model exist at once; under activation checkpointing when gradients
+    are on (the backward recomputes one chunk's logits). Returns [M], differentiable w.r.t.
+    hidden and head (other_hidden / other_head: a frozen second model, e.g. a teacher)."""
+    if hidden.shape[0] != other_hidden.shape[0]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and other_hidden {tuple(other_hidden.shape)} differ in "
+            "their number of positions"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    M = hidden.shape[0]
+    rows = _rows(M, vocab_size or 1 << 17, chunk_size)
+
+    def chunk_fn(h: Tensor, o: Tensor) -> Tensor:
+        logits = head(h).float() / temperature  # [c, V]
+        with torch.no_grad():
+            other = other_head(o).float() / temperature  # [c, V]
+        return fn(logits, other)  # [c]
+
+    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or _has_grad_params(head))
+    out = []
+    for start in range(0, M, rows):
+        h, o = hidden[start : start + rows], other_hidden[start : start + rows]  # [c, H] each
+        out.append(checkpoint(chunk_fn, h, o, use_reentrant=False) if use_ckpt else chunk_fn(h, o))
+    if not out:
+        return hidden.new_zeros(0, dtype=torch.float32)  # [0]
+    return torch.cat(out)  # [M]
 
 
 def _fast(model: Any, batch: TokenBatch, **kwargs: Any) -> tuple[Tensor, Tensor | None]:

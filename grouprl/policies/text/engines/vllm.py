@@ -32,6 +32,10 @@ The contract is HFEngine's (see hf.py / base.py), with these choices and deviati
   the weights to CPU memory, level 2 drops them, both drop the KV cache. A weight push wakes only
   the weight memory to receive the new weights; the next `generate` wakes the rest. Nothing else
   may use the engine while it sleeps (one-step-off async generation needs sleep "off").
+- Scoring (`score`, the distillation teacher of algorithm.distill source `engine`): the log-probs
+  of given completion tokens are vLLM's prompt log-probs of [prompt | completion] (one request
+  per row, one throw-away generated token). vLLM computes prompt log-probs from the raw logits
+  (no temperature, top-k or top-p), so they are under softmax(logits), temperature 1.
 """
 
 from __future__ import annotations
@@ -214,6 +218,46 @@ class VLLMEngine:
                 out.completion_ids.append(ids)
                 out.logprobs.append([lp[t].logprob for lp, t in zip(o.logprobs, ids)])
                 out.truncated.append(o.finish_reason == "length")
+        return out
+
+    # ---- scoring (a distillation teacher) -------------------------------------------------------
+
+    def score(
+        self, prompt_token_ids: list[list[int]], completion_token_ids: list[list[int]]
+    ) -> list[list[float]]:
+        """Log-prob of each completion token given its prompt and the completion tokens before
+        it, under softmax(logits) (temperature 1): vLLM's prompt log-probs of prompt +
+        completion. One list per row, as long as its completion."""
+        from vllm import SamplingParams as VSamplingParams
+
+        if len(prompt_token_ids) != len(completion_token_ids):
+            raise ValueError(
+                f"VLLMEngine.score: {len(prompt_token_ids)} prompts but "
+                f"{len(completion_token_ids)} completions"
+            )
+        if any(not p for p in prompt_token_ids):
+            raise ValueError("VLLMEngine.score: every prompt needs >= 1 token")
+        if not prompt_token_ids:
+            return []
+        request = VSamplingParams(
+            n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+            skip_special_tokens=False, seed=0,
+        )  # fmt: skip
+        prompts = [
+            {"prompt_token_ids": list(p) + list(c)}
+            for p, c in zip(prompt_token_ids, completion_token_ids)
+        ]
+        self._wake()
+        results = self.llm.generate(prompts, request, use_tqdm=False)
+        out = []
+        for row, (p, c, result) in enumerate(zip(prompt_token_ids, completion_token_ids, results)):
+            scored = result.prompt_logprobs  # one entry per prompt token; the first is None
+            if scored is None or len(scored) != len(p) + len(c):
+                raise RuntimeError(
+                    f"VLLMEngine.score: row {row}: {len(p) + len(c)} tokens but "
+                    f"{None if scored is None else len(scored)} prompt log-prob entries"
+                )
+            out.append([float(scored[len(p) + i][t].logprob) for i, t in enumerate(c)])
         return out
 
     def _request_params(

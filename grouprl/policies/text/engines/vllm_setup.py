@@ -199,3 +199,32 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
             "or set run.device"
         )
     return shared_engine(settings, seed=cfg.run.seed)
+
+
+def teacher_from_config(cfg: Any, student_tokenizer: Any) -> Any:
+    """algorithm.distill source `engine`: a vllm.LLM on the teacher folder, in model.dtype with
+    the rollout.vllm settings, wrapped as an EngineTeacher (policies/text/teacher.py) that scores
+    the student's samples. It is its own LLM, not the process's shared sampling engine: a run
+    samples with hf / fast and scores with this one (a second in-process vLLM beside a vllm
+    sampling engine is untested)."""
+    from transformers import AutoTokenizer
+
+    from grouprl.policies.text.teacher import (
+        EngineTeacher,
+        check_same_vocabulary,
+        check_teacher_folder,
+    )
+
+    d, m, v = cfg.algorithm.distill, cfg.model, cfg.rollout.vllm
+    check_teacher_folder(d.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(d.teacher, trust_remote_code=m.trust_remote_code)
+    check_same_vocabulary(tokenizer, student_tokenizer, d.teacher)
+    settings = VLLMSettings(
+        model=d.teacher, dtype=m.dtype, trust_remote_code=m.trust_remote_code,
+        gpu_memory_utilization=v.gpu_memory_utilization, cpu_kvcache_gb=v.cpu_kvcache_gb,
+        prefix_caching=v.prefix_caching, enforce_eager=v.enforce_eager,
+        max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs,
+    )  # fmt: skip
+    llm = build_llm(settings)
+    eos = eos_ids_for(d.teacher, llm.get_tokenizer(), m.trust_remote_code)
+    return EngineTeacher(VLLMEngine(llm, eos, seed=cfg.run.seed))
