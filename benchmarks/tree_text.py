@@ -18,6 +18,7 @@ second completion token (segment_tokens 1):
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -49,7 +50,20 @@ def main() -> None:
     p.add_argument("--max-train", type=int, default=640)
     p.add_argument("--warmup-max-steps", type=int, default=3000)
     p.add_argument("--output-dir", default="runs/tree-text")
+    p.add_argument("--collect", nargs="+", metavar="DIR",
+                   help="only report: merge these output directories (one per seed)")  # fmt: skip
     args = p.parse_args()
+    if args.collect:
+        merged: dict[str, list[dict]] = {}
+        for d in args.collect:
+            for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
+                merged.setdefault(method, []).extend(rows)
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tree_text.json").write_text(json.dumps(merged, indent=1))
+        print(report({m: merged[m] for m in METHODS if m in merged}, out, args.steps,
+                     baseline="flat8"))  # fmt: skip
+        return
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
