@@ -143,6 +143,18 @@ def report(results: dict[str, list[dict]], out: Path, steps: int, baseline: str 
     return text
 
 
+def collect(dirs: list[str], out: Path, name: str) -> dict[str, list[dict]]:
+    """The results of several output directories (e.g. one per seed, run side by side), merged
+    into out / name."""
+    merged: dict[str, list[dict]] = {}
+    for d in dirs:
+        for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
+            merged.setdefault(method, []).extend(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(merged, indent=1))
+    return merged
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -164,14 +176,9 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     if args.collect:
-        merged: dict[str, list[dict]] = {}
-        for d in args.collect:
-            for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
-                merged.setdefault(method, []).extend(rows)
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "signal_methods.json").write_text(json.dumps(merged, indent=1))
-        print(report({m: merged[m] for m in METHODS if m in merged}, out, args.steps))
+        merged = collect(args.collect, Path(args.output_dir), "signal_methods.json")
+        print(report({m: merged[m] for m in METHODS if m in merged}, Path(args.output_dir),
+                     args.steps))  # fmt: skip
         return
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()

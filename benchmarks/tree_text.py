@@ -18,12 +18,11 @@ second completion token (segment_tokens 1):
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from signal_methods import report, run
+from signal_methods import collect, report, run
 from transformers.utils import logging as hf_logging
 
 TREE = "rollout.tree={type: fixed, branching: [2, 2, 2], segment_tokens: 1}"
@@ -54,15 +53,9 @@ def main() -> None:
                    help="only report: merge these output directories (one per seed)")  # fmt: skip
     args = p.parse_args()
     if args.collect:
-        merged: dict[str, list[dict]] = {}
-        for d in args.collect:
-            for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
-                merged.setdefault(method, []).extend(rows)
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "tree_text.json").write_text(json.dumps(merged, indent=1))
-        print(report({m: merged[m] for m in METHODS if m in merged}, out, args.steps,
-                     baseline="flat8"))  # fmt: skip
+        merged = collect(args.collect, Path(args.output_dir), "tree_text.json")
+        print(report({m: merged[m] for m in METHODS if m in merged}, Path(args.output_dir),
+                     args.steps, baseline="flat8"))  # fmt: skip
         return
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
