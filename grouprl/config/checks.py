@@ -171,7 +171,8 @@ def check_tree(cfg: Config) -> None:
         )
     from grouprl.rollouts.fork import check_tree as check_shape
 
-    check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+    if t.type == "fixed":
+        check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
     if r.budget.type == "allocate":
         raise ValueError(
             "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "
