@@ -139,10 +139,12 @@ def test_a_depth_one_tree_trains_bit_for_bit_like_flow_grpo(tmp_path):
     assert [r["rollout/sampled_actions"] for r in ma] == [r["rollout/sampled_actions"] for r in mb]
 
 
-def test_a_branching_tree_trains_with_depthwise_advantages_and_pruning(tmp_path):
+@pytest.mark.parametrize("ratio_norm", ["off", "grpo_guard"])  # guard: [n, K] advantages
+def test_a_branching_tree_trains_with_depthwise_advantages_and_pruning(tmp_path, ratio_norm):
     cfg = module_cfg(tmp_path, "rollout.tree={type: fixed, branching: [2, 2], branch_at: [1], "
                      "prune_fraction: 0.25}", "algorithm.tree_advantage=branch_grpo",
-                     "algorithm.tree_scales=shared_segment")  # fmt: skip
+                     "algorithm.tree_scales=shared_segment",
+                     f"diffusion.objective={{type: policy_gradient, ratio_norm: {ratio_norm}}}")  # fmt: skip
     train(cfg)
     (row,) = metrics(tmp_path / "run")
     assert row["rollout/sampled_actions"] == 2 * (2 * 1 + 4 * 2)  # flat: 2 * 4 * 3 = 24
