@@ -160,3 +160,40 @@ def test_branch_grpo_preset_resolves_to_a_step_tree():
     assert (t.branching, t.branch_at, t.leaves) == ([2, 2, 2, 2], [3, 6, 9], 16)
     assert cfg.rollout.group_size == 16 and cfg.algorithm.tree_advantage == "branch_grpo"
     assert cfg.diffusion.shared_noise == "group" and cfg.diffusion.rollout_steps == 16
+
+
+def test_pruned_rows_leave_the_forward_pass_and_keep_the_gradient(tmp_path):
+    from grouprl.envs.tasks import build_task
+    from grouprl.objectives.objective import count_tokens
+    from grouprl.workloads import build_policy
+    from grouprl.workloads.images import loss as image_loss
+    from grouprl.workloads.images import sampling as images
+
+    cfg = module_cfg(tmp_path, "rollout.tree={type: fixed, branching: [2, 2], branch_at: [1], "
+                     "prune_fraction: 0.5}", "algorithm.tree_advantage=branch_grpo",
+                     "algorithm.kl_coef=0")  # fmt: skip
+    policy = build_policy(cfg, torch.device("cpu"))
+    task = build_task(cfg.task.name, **cfg.task.options)
+    torch.manual_seed(0)
+    rollout, _ = images.collect(cfg, policy, task.train[:2], dict(task.reward_fns))
+    image_loss.prepare(cfg, policy, rollout, {"color_area": 1.0})
+    assert rollout.mask.any(1).tolist().count(False) == 4  # 2 of the 4 leaves of each tree
+    counts = count_tokens(rollout.mask, max_len=3, group_ids=rollout.group_ids)
+    seen = []
+    log_probs = policy.log_probs
+
+    def counting(batch, **kw):
+        seen.append(len(batch))
+        return log_probs(batch, **kw)
+
+    policy.log_probs = counting
+    grads = []
+    for fn in (image_loss._policy_gradient, image_loss._pg_rows):  # rows dropped / all rows
+        policy.model.zero_grad()
+        res, old = fn(cfg, policy, rollout, counts, True)
+        res.loss.backward()
+        grads.append([p.grad.clone() for p in policy.model.parameters()])
+        assert old.shape == rollout.old_logp.shape
+    assert seen == [4, 8]
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*grads))
+    assert any(bool(a.abs().sum() > 0) for a in grads[0])

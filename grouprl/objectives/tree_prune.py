@@ -5,9 +5,8 @@ prune_rows(rewards [N], group_ids [N], fraction) -> Bool[N]: in each group (one 
 floor(fraction * G) rows with the lowest reward (NaN counts as lowest; ties: the earlier row first,
 a stable ascending sort). The caller masks those rows' step slots out of the loss (their gradient
 is exactly 0); the rewards and advantages of the tree are computed from every row before pruning.
-Deviation: the rows stay in the micro-batches (a step's re-scoring runs all rows when any row
-trains it), so the backward compute BranchGRPO saves is not saved here yet; dropping fully masked
-rows before the update would.
+The images workload leaves rows with no trained slot out of the micro-batch's forward and
+backward pass (workloads/images/loss.py), which is the compute BranchGRPO saves.
 
 Deviation / our reading: BranchGRPO prunes branches to cut backward compute; which branches it
 drops (by value, by depth) could not be confirmed from its paper here. "Lowest value" = lowest

@@ -7,8 +7,8 @@ prepare (once per rollout, no grad):
   per-step advantages [N, K] from the tree (objectives/tree.py over the K step slots, e.g.
   BranchGRPO's depth-wise advantage), algorithm.tree_scales "shared_segment" as token_scales, and
   rollout.tree.prune_fraction drops the lowest-reward rows of each tree from the loss (their step
-  slots masked: BranchGRPO's pruning cuts backward compute, sampling is unchanged;
-  objectives/tree_prune.py);
+  slots masked and the rows left out of the loss's forward / backward: BranchGRPO's pruning cuts
+  backward compute, sampling is unchanged; objectives/tree_prune.py);
 - policy-gradient objectives: old log-probs and means recomputed when the batch is used more than
   once (epochs / minibatches > 1); the reference's per-step log-probs and means (KL) computed once
   for the whole batch, so every micro-batch reads them instead of running the reference again;
@@ -147,6 +147,20 @@ def micro_loss(
 
 
 def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput, Tensor]:
+    """Rows with no trained slot (pruned by rollout.tree.prune_fraction) are left out of the
+    forward and backward pass: they add exactly 0 to the loss, whose normalisers come from the
+    update's global counts. Returns the old log-probs of every row of `sub` [n, K]."""
+    live = sub.mask.any(1)  # [n]
+    if 0 < int(live.sum()) < len(live):
+        rows = torch.nonzero(live).flatten()  # [n']
+        res, old_live = _pg_rows(cfg, policy, sub.select(rows), counts, single_pass)
+        old = sub.old_logp.clone()  # [n, K]
+        old[rows] = old_live
+        return res, old
+    return _pg_rows(cfg, policy, sub, counts, single_pass)
+
+
+def _pg_rows(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput, Tensor]:
     a, d = cfg.algorithm, cfg.diffusion
     out = policy.log_probs(sub.actions)  # logp [n, K], extras mean / std / kl_var
     old = out.logp.detach() if single_pass else sub.old_logp  # [n, K]
