@@ -169,10 +169,30 @@ def check_tree(cfg: Config) -> None:
             f"rollout.tree.branching={t.branching} gives {t.leaves} leaves per group, "
             f"rollout.group_size={r.group_size}: set group_size to the product of branching"
         )
-    from grouprl.rollouts.fork import check_tree as check_shape
+    if cfg.workload.type == "images":  # branch points are denoising steps (policies/flow/fork.py)
+        from grouprl.policies.flow.fork import check_step_tree
 
-    if t.type == "fixed":
-        check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+        if t.type != "fixed":
+            raise ValueError(
+                f"rollout.tree type {t.type!r} branches at uncertain tokens (text); a flow tree "
+                "branches at fixed denoising steps: use type fixed"
+            )
+        steps = cfg.diffusion.rollout_steps
+        check_step_tree(t.branching, t.offsets(steps), steps)
+        if cfg.diffusion.objective.type != "policy_gradient":
+            raise ValueError(
+                f"rollout.tree with diffusion.objective {cfg.diffusion.objective.type!r}: a tree "
+                "gives per-step advantages to step log-probs; use objective policy_gradient"
+            )
+    else:
+        from grouprl.rollouts.fork import check_tree as check_shape
+
+        if t.type == "fixed":
+            check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+        if getattr(t, "prune_fraction", 0) > 0:
+            raise ValueError(
+                "rollout.tree.prune_fraction is implemented for images (BranchGRPO); set it to 0"
+            )
     if r.budget.type == "allocate":
         raise ValueError(
             "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "
