@@ -117,13 +117,13 @@ def test_tree_config_runs_in_the_loop_and_counts_generated_tokens(tmp_path, tiny
         make_cfg(
             tmp_path, tiny_model_dir, "rollout.tree={type: fixed, branching: [3], branch_at: []}"
         )
-    with pytest.raises(ValueError, match="does not support rollout.tree"):
+    with pytest.raises(ValueError, match="branch_at in TURNS"):  # agents branch at turns
         from grouprl.config.loading import apply_overrides, validate
 
         validate(apply_overrides({
             "workload": {"type": "agent"}, "model": {"name_or_path": str(tiny_model_dir)},
             "task": {"name": "env", "options": {"env_id": "grouprl/FrozenLake-v0"}},
-            "rollout": {"tree": {"type": "fixed", "branching": [2, 4], "branch_at": [2]}},
+            "rollout": {"tree": {"type": "fixed", "branching": [2, 4], "segment_tokens": 2}},
         }, []))  # fmt: skip
 
 
