@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     weights = cached_pretrain(PretrainSettings(steps=args.pretrain_steps), out / "pretrain")
     results = [run_arm(arm, s, args.steps, weights, out) for s in args.seeds for arm in args.arms]
-    print(f"\n{'arm':<6}{'seed':>5}{'before':>9}{'after':>9}{'steps sampled':>15}{'s':>7}")
+    print(f"\n{'arm':<10}{'seed':>5}{'before':>9}{'after':>9}{'steps sampled':>15}{'s':>7}")
     for r in results:
-        print(f"{r['arm']:<6}{r['seed']:>5}{r['before']:>9.4f}{r['after']:>9.4f}"
+        print(f"{r['arm']:<10}{r['seed']:>5}{r['before']:>9.4f}{r['after']:>9.4f}"
               f"{r['sampled']:>15.0f}{r['seconds']:>7.0f}")  # fmt: skip
     for arm in args.arms:
         after = [r["after"] for r in results if r["arm"] == arm]
