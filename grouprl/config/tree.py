@@ -87,4 +87,27 @@ class FixedTree(Section):
         return [step * k for k in range(1, len(self.branching))]
 
 
-TreeConfig = Annotated[NoTree | FixedTree, Field(discriminator="type")]
+class EntropyTree(Section):
+    """Branch before high-entropy tokens (text; grouprl/rollouts/fork.py sample_entropy_tree)."""
+
+    type: Literal["entropy"] = Field("entropy", description="Branch at uncertain tokens.")
+    branching: list[int] = Field(
+        description="Children per node at each depth; their product is the group size."
+    )
+    threshold: float = Field(
+        1.0, gt=0, description="Next-token entropy (nats) above which a segment ends."
+    )
+    min_tokens: int = Field(1, ge=0, description="Tokens a segment has at least before it may end.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> EntropyTree:
+        if not self.branching or any(b < 1 for b in self.branching):
+            raise ValueError(f"rollout.tree.branching={self.branching}: one count >= 1 per depth")
+        return self
+
+    @property
+    def leaves(self) -> int:
+        return math.prod(self.branching)
+
+
+TreeConfig = Annotated[NoTree | FixedTree | EntropyTree, Field(discriminator="type")]
