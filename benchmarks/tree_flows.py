@@ -7,10 +7,13 @@ fine-tuned from the same weights with
 - flat: 5 prompts x 8 independent images per step, every image runs its 10 steps: 400 steps run;
 - tree: 8 prompts x a tree per group, branching [2, 4] with the branch at step 5 (rollout.tree),
         depth-wise advantages (algorithm.tree_advantage branch_grpo): per group 2 x 5 + 8 x 5 = 50
-        steps run, 8 x 50 = 400 per optimizer step,
+        steps run, 8 x 50 = 400 per optimizer step;
+- tree_leaf: the same tree with plain GRPO over its 8 leaves (tree_advantage leaf_group),
 for `--steps` optimizer steps and each of `--seeds` (run.seed). Reported: held-out reward (the
 demo's 12 prompts x 4 fixed seeds, 20 deterministic steps) before and after, and the denoising
-steps sampled in all (the sum of rollout/sampled_actions). Runs are sequential in this process.
+steps sampled in all (the sum of rollout/sampled_actions). Runs are sequential in this process;
+the wall seconds include the evaluations, and a tree step trains 64 leaf rows where a flat step
+trains 40.
 
     .venv/bin/python benchmarks/tree_flows.py [--steps 30 --seeds 0 1 2 --pretrain-steps 1500]
 """
@@ -42,6 +45,10 @@ ARMS = {
         "rollout.tree={type: fixed, branching: [2, 4], branch_at: [5]}",
         "algorithm.tree_advantage=branch_grpo",
     ],
+    "tree_leaf": [  # the same tree, plain GRPO over the leaves (separates sampling from credit)
+        "rollout.prompts_per_step=8",
+        "rollout.tree={type: fixed, branching: [2, 4], branch_at: [5]}",
+    ],
 }
 
 
@@ -69,16 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--pretrain-steps", type=int, default=PretrainSettings.steps)
     p.add_argument("--out", default=str(ROOT / "runs" / "tree_flows"))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     weights = cached_pretrain(PretrainSettings(steps=args.pretrain_steps), out / "pretrain")
-    results = [run_arm(arm, s, args.steps, weights, out) for s in args.seeds for arm in ARMS]
-    print(f"\n{'arm':<6}{'seed':>5}{'before':>9}{'after':>9}{'steps sampled':>15}{'s':>7}")
+    results = [run_arm(arm, s, args.steps, weights, out) for s in args.seeds for arm in args.arms]
+    print(f"\n{'arm':<10}{'seed':>5}{'before':>9}{'after':>9}{'steps sampled':>15}{'s':>7}")
     for r in results:
-        print(f"{r['arm']:<6}{r['seed']:>5}{r['before']:>9.4f}{r['after']:>9.4f}"
+        print(f"{r['arm']:<10}{r['seed']:>5}{r['before']:>9.4f}{r['after']:>9.4f}"
               f"{r['sampled']:>15.0f}{r['seconds']:>7.0f}")  # fmt: skip
-    for arm in ARMS:
+    for arm in args.arms:
         after = [r["after"] for r in results if r["arm"] == arm]
         sd = statistics.stdev(after) if len(after) > 1 else 0.0
         print(f"{arm}: held-out reward after {args.steps} steps {statistics.mean(after):.4f} "

@@ -137,6 +137,7 @@ def test_a_depth_one_tree_trains_bit_for_bit_like_flow_grpo(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = metrics(tmp_path / "flat" / "run"), metrics(tmp_path / "tree" / "run")
     assert [r["rollout/sampled_actions"] for r in ma] == [r["rollout/sampled_actions"] for r in mb]
+    assert ma[0]["rollout/sampled_actions"] == 2 * 4 * 3  # denoising steps run, not trained (16)
 
 
 @pytest.mark.parametrize("ratio_norm", ["off", "grpo_guard"])  # guard: [n, K] advantages

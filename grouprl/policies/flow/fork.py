@@ -17,7 +17,7 @@ it, and every leaf below it carries that node's columns, so a shared transition 
 all rows holding it (same latents, log-prob, mask).
 
 Flow-GRPO-Fast's "ODE prefix then SDE branch": with initial_noise "shared" and a first window
-whose steps are all deterministic for every leaf of a group, the b_1 depth-1 nodes would run the
+whose steps are deterministic for every node of the batch, the b_1 depth-1 nodes would run the
 same deterministic chain; it is run once per group and copied (`generated` counts it once). The
 same prefix written as branching [1, G] is one node by construction.
 

@@ -160,8 +160,9 @@ def collect(
             rollout = policy.sample(cond, g, **kwargs)
     else:
         rollout = policy.sample(cond, g, **kwargs)
+    if rollout.generated is None:  # flat: every image ran its K steps
         k = rollout.actions.num_steps
-        rollout.generated = torch.full((len(rollout),), k, dtype=torch.long)  # [N] steps run
+        rollout.generated = torch.full((len(rollout),), k, dtype=torch.long)  # [N]
     if likelihood_free(cfg):
         mask = lf_mask(cfg, len(rollout), rollout.actions.num_steps)  # [N, K]
         rollout.mask = mask.to(rollout.old_logp.device)
