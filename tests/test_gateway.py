@@ -303,3 +303,44 @@ def test_two_training_steps_on_an_openai_agent(tmp_path, tiny_model_dir):
     assert [s["episode/calls"] for s in steps] == [2.0, 2.0]
     # the second step's episodes were sampled by the weights after one update
     assert [s["episode/weight_version"] for s in steps] == [0.0, 1.0]
+
+
+def test_qwen25_replica_tools_branch_and_tool_results(tmp_path):
+    """On the Qwen2.5 replica (its real chat template with the tools branch): the request's tools
+    are rendered by the template into call 1's prompt, a `tool` message of the program comes back
+    as the template's <tool_response> delta after the sampled tokens, and the row's log-probs are
+    the policy's own."""
+    from grouprl.replicas.text import build
+
+    policy = CausalLMPolicy.from_pretrained(
+        str(build("qwen2.5", tmp_path / "qwen")), dtype="float32"
+    )
+    tok = policy.tokenizer
+    with Gateway(
+        policy, SamplingParams(temperature=1.0, max_new_tokens=6), max_episode_tokens=1024
+    ) as gw:
+        gw.episodes.open("q")
+        c = client(gw)
+        messages = [{"role": "user", "content": "What is 2+3?"}]
+        first = c.chat.completions.create(
+            model=MODEL, messages=messages, tools=[ADD_TOOL], user="q"
+        )
+        history = [
+            *messages,
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": "c00000000", "content": "5"},
+        ]
+        c.chat.completions.create(model=MODEL, messages=history, tools=[ADD_TOOL], user="q")
+        one, two = gw.episodes.end("q").calls
+    assert one.prompt_ids == prompt_ids(tok, messages, [ADD_TOOL])
+    assert '"name": "add"' in tok.decode(one.prompt_ids) and "<tools>" in tok.decode(one.prompt_ids)
+    before = one.prompt_ids + one.completion_ids
+    assert two.segment == 0 and two.prompt_ids[: len(before)] == before
+    delta = tok.decode(two.prompt_ids[len(before) :])
+    assert "<tool_response>\n5\n</tool_response>" in delta and delta.endswith(
+        "<|im_start|>assistant\n"
+    )
+    rollout = episodes_rollout([Finished(gw.episodes.end("q"), {}, 0, 0, 1.0, True)], tok, "error")
+    mask = rollout.mask
+    assert int(mask.sum()) == len(one.completion_ids) + len(two.completion_ids)
+    assert torch.allclose(_scored(policy, rollout)[mask], rollout.engine_logp[mask], atol=1e-4)
