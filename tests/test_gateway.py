@@ -344,3 +344,88 @@ def test_qwen25_replica_tools_branch_and_tool_results(tmp_path):
     mask = rollout.mask
     assert int(mask.sum()) == len(one.completion_ids) + len(two.completion_ids)
     assert torch.allclose(_scored(policy, rollout)[mask], rollout.engine_logp[mask], atol=1e-4)
+
+
+def test_a_body_that_never_arrives_is_a_408_not_a_hang(policy):
+    import socket
+
+    with Gateway(policy, SamplingParams(max_new_tokens=4), request_timeout_s=1.0) as gw:
+        url = urlparse(gw.base_url)
+        start = time.monotonic()
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b'\r\nContent-Length: 100\r\n\r\n{"model": '
+            )
+            answer = b""
+            while chunk := sock.recv(4096):  # the server closes the connection after answering
+                answer += chunk
+            answer = answer.decode()
+        assert answer.startswith("HTTP/1.1 408") and "request_timeout_s" in answer
+        assert time.monotonic() - start < 5
+
+
+def test_program_failures_name_the_episode(policy):
+    from grouprl.rollouts.gateway.episodes import run_episodes
+
+    def ask(base_url, episode_id):
+        c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+        return c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], user=episode_id, max_tokens=2
+        )
+
+    def raises(base_url, episode_id, example):
+        ask(base_url, episode_id)
+        raise KeyError("boom")
+
+    late: list = []
+
+    def slow(base_url, episode_id, example):
+        time.sleep(1.5)
+        try:
+            ask(base_url, episode_id)
+        except openai.APIStatusError as exc:
+            late.append(exc.status_code)
+        return 1.0
+
+    params = SamplingParams(max_new_tokens=4)
+    with Gateway(policy, params, request_timeout_s=5.0) as gw:
+        with pytest.raises(
+            RuntimeError, match=r"episode 'ep-0-0-\w+': the program raised KeyError"
+        ):
+            run_episodes(gw, raises, [{}], 1)
+        with pytest.raises(TimeoutError, match="episode_timeout_s=0.5"):
+            run_episodes(gw, slow, [{}], 1, timeout_s=0.5)
+        time.sleep(1.5)
+        assert late == [410]  # the program past its deadline: its episode had ended
+        with pytest.raises(TypeError, match="must return a number"):
+            run_episodes(gw, lambda u, e, x: (ask(u, e), "yes")[1], [{}], 1)
+        with pytest.raises(ValueError, match="made no call"):
+            run_episodes(gw, lambda u, e, x: 1.0, [{}], 1)
+        done = run_episodes(
+            gw, lambda u, e, x: ask(u, e) and None, [{"k": 1}, {"k": 2}], 2, first_group_id=5,
+            reward_fn=lambda ex, calls: ex["k"] + len(calls),
+        )  # fmt: skip
+    assert [(f.group, f.index, f.reward) for f in done] == [
+        (5, 0, 2.0),
+        (5, 1, 2.0),
+        (6, 0, 3.0),
+        (6, 1, 3.0),
+    ]
+
+
+def test_gateway_options_fail_naming_the_key():
+    from grouprl.config.loading import validate
+
+    base = {
+        "model": {"name_or_path": "x"}, "workload": {"type": "gateway"},
+        "task": {"name": "arithmetic"},
+    }  # fmt: skip
+    with pytest.raises(Exception, match="progam"):
+        validate({**base, "gateway": {"program": "a.py:f", "progam": 1}})
+    with pytest.raises(Exception, match="reward_fn"):
+        validate({**base, "gateway": {"program": "a.py:f", "reward": "function"}})
+    with pytest.raises(Exception, match="program"):
+        validate({**base, "gateway": {}})
+    cfg = validate({**base, "gateway": {"program": "a.py:f", "on_rewrite": "split"}})
+    assert cfg.workload_settings.on_rewrite == "split"

@@ -17,9 +17,9 @@ their sampling log-probs, the weight version and the finish reason. Calls of one
 answered one at a time; the engine runs one call at a time (no batching across calls).
 
 Errors are JSON `{"error": {"message", "type", ...}}` with a 4xx status, never a hang: malformed
-JSON / fields 400, no episode id 400, unknown episode 404, ended episode 410, body over 8 MiB 413,
-a model other than gateway.model_name 404; an engine busy past gateway.request_timeout_s 503;
-a client slower than that to send its body is dropped (socket timeout).
+JSON / fields 400, no episode id 400, unknown episode 404, ended episode 410, no Content-Length
+411, body over 8 MiB 413, a model other than gateway.model_name 404, a body slower than
+gateway.request_timeout_s to arrive 408; an engine busy for longer than that 503.
 
 Deviations from OpenAI's API, on purpose:
 - Sampling is the run's (rollout.temperature / top_p / top_k): a request asking for other values
@@ -440,9 +440,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
         pass  # no per-request lines on stderr
 
-    def _send(self, status: int, payload: dict) -> None:
+    def _send(self, status: int, payload: dict, close: bool = False) -> None:
+        """close: the body was not read to its end, so the connection cannot carry another request."""
         data = json.dumps(payload).encode()
         self.send_response(status)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -468,7 +472,13 @@ class _Handler(BaseHTTPRequestHandler):
                 raise GatewayError(411, "a Content-Length header is needed")
             if int(length) > MAX_BODY:
                 raise GatewayError(413, f"the body has {length} bytes; at most {MAX_BODY}")
-            raw = self.rfile.read(int(length))
+            try:
+                raw = self.rfile.read(int(length))
+            except TimeoutError:
+                raise GatewayError(
+                    408,
+                    f"the body did not arrive within gateway.request_timeout_s={self.timeout}s",
+                ) from None
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -477,6 +487,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise GatewayError(400, "the body must be a JSON object")
             self._send(200, route(body, self.headers.get(EPISODE_HEADER)))
         except GatewayError as exc:
-            self._send(exc.status, _error_body(exc.status, exc.message, exc.kind))
+            unread = exc.status in (408, 411, 413)
+            self._send(exc.status, _error_body(exc.status, exc.message, exc.kind), close=unread)
         except Exception as exc:  # a bug or an engine failure: a 500 naming it, not a hang
             self._send(500, _error_body(500, f"{type(exc).__name__}: {exc}", "server_error"))
