@@ -429,3 +429,6 @@ def test_gateway_options_fail_naming_the_key():
         validate({**base, "gateway": {}})
     cfg = validate({**base, "gateway": {"program": "a.py:f", "on_rewrite": "split"}})
     assert cfg.workload_settings.on_rewrite == "split"
+    from grouprl.config import docs
+
+    assert "gateway.on_rewrite: split | error" in docs.show_text("gateway")  # grouprl config show

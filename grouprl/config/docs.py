@@ -308,9 +308,10 @@ def _header(row: Option) -> str:
 
 def show_text(section: str | None = None, width: int = 100) -> str:
     """`grouprl config show [SECTION]`: one header line per field (key: type = default), its
-    description indented under it."""
+    description indented under it. SECTION may be a registered workload's own section (gateway)."""
     out = []
-    for row in select(section):
+    outside = workload_section_model(section.strip().rstrip(".")) if section else None
+    for row in select(section, outside):
         out.append(_header(row))
         if row.description:
             out += textwrap.wrap(
