@@ -146,6 +146,12 @@ def test_completions_and_models(gateway, policy):
     )
     c.completions.create(model=MODEL, prompt="abc" + text + "def", user="c1", max_tokens=4)
     first, second = gateway.episodes.end("c1").calls
+    # `seed` reaches the engine: the same seed samples the same tokens in another episode
+    for eid in ("s1", "s2"):
+        gateway.episodes.open(eid)
+        c.completions.create(model=MODEL, prompt="xyz", user=eid, max_tokens=6, seed=11)
+    s1, s2 = (gateway.episodes.end(e).calls[0] for e in ("s1", "s2"))
+    assert (s1.completion_ids, s1.logprobs) == (s2.completion_ids, s2.logprobs)
     assert second.segment == 0
     assert (
         second.prompt_ids

@@ -49,7 +49,7 @@ class Call:
     prompt_text:    the request's prompt (completion), else None
     text:           the completion's text (special tokens dropped)
     message:        the assistant message returned (chat), else None
-    temperature:    the sampling temperature (0: greedy)
+    temperature:    the sampling temperature
     """
 
     kind: str

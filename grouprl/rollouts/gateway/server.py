@@ -155,12 +155,12 @@ class Gateway:
             raise GatewayError(400, f"tool_choice {choice!r} is not served (auto or none)")
         if body.get("top_logprobs"):
             raise GatewayError(400, "top_logprobs is not served (0 only)")
-        params, greedy, seed = self._sampling(body, "max_completion_tokens")
+        params, seed = self._sampling(body, "max_completion_tokens")
         log = self._episode(body, episode_id)
         with log.lock:
             self._still_open(log)
             ids, segment = chat_prompt(self.policy.tokenizer, log, messages, tools)
-            out_ids, logp, truncated = self._generate(ids, params, greedy, seed)
+            out_ids, logp, truncated = self._generate(ids, params, seed)
             tok = self.policy.tokenizer
             fmt = self.tool_format if tools and choice != "none" else None
             message = assistant_message(tok, out_ids, fmt, turn=len(log.calls))
@@ -180,7 +180,7 @@ class Gateway:
                     tools=tools,
                     text=text,
                     message=message,
-                    temperature=0.0 if greedy else params.temperature,
+                    temperature=params.temperature,
                 )  # fmt: skip
             )
             call = log.calls[-1]
@@ -223,13 +223,13 @@ class Gateway:
         want = body.get("logprobs")
         if want not in (None, 0, 1) or isinstance(want, bool):
             raise GatewayError(400, f"logprobs must be 0 or 1 (no top-k lists), got {want!r}")
-        params, greedy, seed = self._sampling(body, None)
+        params, seed = self._sampling(body, None)
         log = self._episode(body, episode_id)
         tok = self.policy.tokenizer
         with log.lock:
             self._still_open(log)
             ids, segment = completion_prompt(tok, log, prompt)
-            out_ids, logp, truncated = self._generate(ids, params, greedy, seed)
+            out_ids, logp, truncated = self._generate(ids, params, seed)
             text = tok.decode(out_ids, skip_special_tokens=True)
             reason = "length" if truncated else "stop"
             log.calls.append(
@@ -243,7 +243,7 @@ class Gateway:
                     segment,
                     prompt_text=prompt,
                     text=text,
-                    temperature=0.0 if greedy else params.temperature,
+                    temperature=params.temperature,
                 )  # fmt: skip
             )
             call = log.calls[-1]
@@ -289,7 +289,7 @@ class Gateway:
         if body.get("stream"):
             raise GatewayError(400, "stream=true is not served")
 
-    def _sampling(self, body: dict, alias: str | None) -> tuple[SamplingParams, bool, int | None]:
+    def _sampling(self, body: dict, alias: str | None) -> tuple[SamplingParams, int | None]:
         """The run's sampling with the request's max_tokens / stop / seed (see the docstring)."""
         p = self.params
         for key, option, have in (
@@ -324,7 +324,7 @@ class Gateway:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise GatewayError(400, f"seed must be an integer, got {seed!r}")
         merged = list(dict.fromkeys([*p.stop, *stop]))
-        return replace(p, max_new_tokens=limit, stop=merged), False, seed
+        return replace(p, max_new_tokens=limit, stop=merged), seed
 
     def _episode(self, body: dict, episode_id: str | None):
         user = body.get("user")
@@ -346,7 +346,7 @@ class Gateway:
             raise GatewayError(410, f"episode {log.id!r} has ended; it takes no more calls")
 
     def _generate(
-        self, ids: list[int], params: SamplingParams, greedy: bool, seed: int | None
+        self, ids: list[int], params: SamplingParams, seed: int | None
     ) -> tuple[list[int], list[float], bool]:
         if len(ids) + params.max_new_tokens > self.max_episode_tokens:
             raise GatewayError(
@@ -362,7 +362,7 @@ class Gateway:
             )
         try:
             extra = {} if seed is None else {"seeds": [seed]}
-            out = self.policy.engine.generate([ids], params, greedy=greedy, **extra)
+            out = self.policy.engine.generate([ids], params, **extra)
         finally:
             self._engine_lock.release()
         if not out.completion_ids[0]:
