@@ -438,3 +438,18 @@ def test_gateway_options_fail_naming_the_key():
     from grouprl.config import docs
 
     assert "gateway.on_rewrite: split | error" in docs.show_text("gateway")  # grouprl config show
+
+
+def test_messages_the_template_refuses_are_a_400(tmp_path):
+    """Mistral v0.3's template raises on roles that do not alternate: a 400 quoting it, not a 500."""
+    from grouprl.replicas.text import build
+
+    policy = CausalLMPolicy.from_pretrained(str(build("mistral", tmp_path / "m")), dtype="float32")
+    with Gateway(policy, SamplingParams(max_new_tokens=4)) as gw:
+        gw.episodes.open("m")
+        with pytest.raises(openai.BadRequestError, match="roles must alternate"):
+            client(gw).chat.completions.create(
+                model=MODEL, user="m",
+                messages=[{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+            )  # fmt: skip
+        assert gw.episodes.end("m").calls == []

@@ -39,6 +39,8 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from jinja2 import TemplateError
+
 from grouprl.envs.tools.formats import (
     assistant_tool_calls,
     parse_tool_calls,
@@ -111,8 +113,8 @@ class Gateway:
         self._http = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
         self._http.daemon_threads = True
         self._thread = threading.Thread(
-            target=self._http.serve_forever, name="grouprl-gateway", daemon=True
-        )
+            target=self._http.serve_forever, args=(0.05,), name="grouprl-gateway", daemon=True
+        )  # polls for shutdown every 50 ms
         self._thread.start()
         return self
 
@@ -159,7 +161,12 @@ class Gateway:
         log = self._episode(body, episode_id)
         with log.lock:
             self._still_open(log)
-            ids, segment = chat_prompt(self.policy.tokenizer, log, messages, tools)
+            try:
+                ids, segment = chat_prompt(self.policy.tokenizer, log, messages, tools)
+            except (ValueError, TemplateError) as exc:  # the template refuses these messages
+                raise GatewayError(
+                    400, f"the chat template cannot render these messages: {exc}"
+                ) from None
             out_ids, logp, truncated = self._generate(ids, params, seed)
             tok = self.policy.tokenizer
             fmt = self.tool_format if tools and choice != "none" else None
