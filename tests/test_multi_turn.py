@@ -422,7 +422,7 @@ def test_config_seeding_reaches_the_episodes(monkeypatch, seeding, greedy, want)
 
     def fake_collect(*args, **kw):
         seen.update(kw)
-        return SimpleNamespace(info={})
+        return SimpleNamespace(info={"env_made": []})  # no env made
 
     monkeypatch.setattr(episodes, "collect_episodes", fake_collect)
     monkeypatch.setattr(episodes, "_make_env", lambda ex: CounterEnv)

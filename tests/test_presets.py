@@ -10,7 +10,7 @@ from grouprl.config.presets import PRESETS, Preset, preset_settings
 EXPECTED = [
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "gpg",
     "lambda_grpo", "pmd_mean", "tpo", "delta_l", "dump", "egsw", "entropy_only", "two_grpo", "gigpo",
-    "hint", "replay", "greso", "treerpo", "opd",
+    "hint", "replay", "greso", "treerpo", "tree_grpo", "opd",
 ]  # fmt: skip
 MINIMAL = {
     "workload": {"type": "text"},

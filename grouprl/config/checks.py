@@ -169,9 +169,37 @@ def check_tree(cfg: Config) -> None:
             f"rollout.tree.branching={t.branching} gives {t.leaves} leaves per group, "
             f"rollout.group_size={r.group_size}: set group_size to the product of branching"
         )
-    from grouprl.rollouts.fork import check_tree as check_shape
+    if cfg.workload.type == "images":  # branch points are denoising steps (policies/flow/fork.py)
+        from grouprl.policies.flow.fork import check_step_tree
 
-    check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+        if t.type != "fixed":
+            raise ValueError(
+                f"rollout.tree type {t.type!r} branches at uncertain tokens (text); a flow tree "
+                "branches at fixed denoising steps: use type fixed"
+            )
+        steps = cfg.diffusion.rollout_steps
+        check_step_tree(t.branching, t.offsets(steps), steps)
+        if cfg.diffusion.objective.type != "policy_gradient":
+            raise ValueError(
+                f"rollout.tree with diffusion.objective {cfg.diffusion.objective.type!r}: a tree "
+                "gives per-step advantages to step log-probs; use objective policy_gradient"
+            )
+    elif cfg.workload.type == "agent" and cfg.agent is not None:
+        if t.type != "fixed":
+            raise ValueError(
+                f"rollout.tree type {t.type!r} branches at uncertain tokens (text); an agent tree "
+                "branches at turn boundaries: use type fixed"
+            )
+        check_agent_tree(cfg)
+    else:
+        from grouprl.rollouts.fork import check_tree as check_shape
+
+        if t.type == "fixed":
+            check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+    if cfg.workload.type != "images" and getattr(t, "prune_fraction", 0) > 0:
+        raise ValueError(
+            "rollout.tree.prune_fraction is implemented for images (BranchGRPO); set it to 0"
+        )
     if r.budget.type == "allocate":
         raise ValueError(
             "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "
@@ -181,4 +209,26 @@ def check_tree(cfg: Config) -> None:
         raise ValueError(
             "rollout.tree with rollout.hooks: a hint re-samples or replay replaces rows of a "
             "group, which would cut its tree; use one of them"
+        )
+
+
+def check_agent_tree(cfg: Config) -> None:
+    """An agent's tree branches at turn boundaries: branch_at counts turns (rollouts/agent_fork.py);
+    tree advantages replace the per-turn credit, so they need agent.credit trajectory."""
+    t, ag, a = cfg.rollout.tree, cfg.agent, cfg.algorithm
+    if t.segment_tokens is not None:
+        raise ValueError(
+            f"rollout.tree.segment_tokens={t.segment_tokens} counts tokens, but an agent's tree "
+            "branches at turn boundaries: set rollout.tree.branch_at in TURNS instead (e.g. "
+            "branch_at: [2] forks every episode before its third turn)"
+        )
+    from grouprl.rollouts.agent_fork import check_turn_tree
+
+    check_turn_tree(t.branching, t.offsets(ag.max_turns), ag.max_turns)
+    if a.tree_advantage != "leaf_group" and ag.credit != "trajectory":
+        raise ValueError(
+            f"algorithm.tree_advantage={a.tree_advantage!r} with agent.credit={ag.credit!r}: both "
+            "define the per-token advantage of an agent's tree; set agent.credit=trajectory (the "
+            "tree's advantage replaces the per-turn credit) or tree_advantage=leaf_group (the "
+            "per-turn credit over the tree's leaves)"
         )

@@ -39,6 +39,15 @@ class Episode:
     success: bool = False
     end: str = ""  # "terminated" | "env_truncated" | "max_turns" | "context"
     index: int = 0  # within its group
+    # tree rollouts (rollouts/agent_fork.py); a flat episode is a depth-1 tree of its group
+    key: tuple[int, int] | None = (
+        None  # (a, b) of its turn seeds (a, b, turn); None: (group, index)
+    )
+    path: list[int] = field(default_factory=list)  # tree node ids from the root (empty: flat)
+    depth: list[int] = field(default_factory=list)  # the tree depth of each completion token
+    replay: list[tuple[str, Any]] = field(
+        default_factory=list
+    )  # (action, observation) per env step
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.ids)
@@ -48,6 +57,10 @@ class Episode:
         self.sampled += [logp is not None] * len(ids)
         self.logp += logp if logp is not None else [0.0] * len(ids)
         self.step += [step] * len(ids)
+        self.depth += [max(len(self.path) - 1, 1)] * len(ids)
+
+    def seed_key(self) -> tuple[int, int]:
+        return self.key if self.key is not None else (self.group, self.index)
 
 
 def _pad(rows: list[torch.Tensor], value: float, side: str) -> torch.Tensor:

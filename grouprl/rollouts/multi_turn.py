@@ -27,6 +27,8 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
   with info["observation_role"] = "tool" (and info["tool_name"]); it is then a `tool` message too.
   GiGPO anchors of tool turns are (env anchor, tool results so far).
 - Observations and tool results are made valid UTF-8 before encoding (lone surrogates -> "?").
+- Tree rollouts (rollout.tree, `tree=`): each group is sampled as a tree whose nodes are turns,
+  forked at turn counts (rollouts/agent_fork.py); the leaves are the rows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from grouprl.envs.tools.schemas import (
 )
 from grouprl.envs.vector import VectorRunner
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.agent_fork import Forker, check_turn_tree, root_episodes, tree_fields
 from grouprl.rollouts.chat_delta import (
     first_messages,
     messages_delta_ids,
@@ -119,6 +122,7 @@ def collect_episodes(
     seed: int | None = None,
     toolset: ToolSet | None = None,
     tool_format: str = "auto",
+    tree: tuple[list[int], list[int]] | None = None,
 ) -> Rollout:
     """Run `group_size` episodes per seed (group ids first_group_id, +1, ... one per seed) with
     batched generation over all live episodes each turn, and their env resets / steps run
@@ -136,7 +140,10 @@ def collect_episodes(
     chat, ending with the last observation, which is not in the tokens), prompt, completion,
     tool_calls / tool_errors (calls the rollout's tools ran, and those that failed, per episode).
     toolset / tool_format: tools the rollout runs itself (see the module docstring); tool_format
-    "auto" reads the call format off the chat template.
+    "auto" reads the call format off the chat template. tree: (branching, branch_at in turns):
+    each group a tree of episodes forked at turn boundaries (rollouts/agent_fork.py), group_size
+    must be the product of branching; the Rollout then has tree_path / tree_segment / generated.
+    info["env_made"]: the position, in the order envs were made, of each row's env.
     """
     turn_budget = max_turn_tokens if max_turn_tokens is not None else params.max_new_tokens
     if not seeds or group_size < 1 or max_turns < 1 or turn_budget < 1:
@@ -150,20 +157,31 @@ def collect_episodes(
     limit = max_total_tokens if max_total_tokens is not None else math.inf
     runner = runner if runner is not None else VectorRunner("sequential")
     fmt = resolve_tool_format(tool_format, tok)
+    branching, branch_at = tree if tree is not None else ([group_size], [])
+    check_turn_tree(branching, branch_at, max_turns)
+    if math.prod(branching) != group_size:
+        raise ValueError(f"tree branching {branching} has {math.prod(branching)} leaves, not "
+                         f"group_size={group_size}")  # fmt: skip
+    made: list[Any] = []  # every env made, in order (forks re-create envs)
+
+    def env_of() -> Any:
+        made.append(make_env())
+        return made[-1]
+
+    forker = Forker(env_of, {first_group_id + g: branching[0] + 1 for g in range(len(seeds))})
+    level = 0  # branch points passed
     episodes: list[Episode] = []
     tool_log: dict[int, list[str]] = {}  # id(episode) -> tool results so far (anchors)
     base_anchor: dict[int, Hashable] = {}  # id(episode) -> env anchor the tool results extend
     try:
         for g, env_seed in enumerate(seeds):  # appended as made: `finally` closes every env made
-            for j in range(group_size):
-                e = Episode(make_env(), first_group_id + g, env_seed, [], [], None, index=j)
-                episodes.append(e)
+            episodes += root_episodes(env_of, first_group_id + g, env_seed, branching[0])
         starts = runner.reset([e.env for e in episodes], [e.seed for e in episodes])
         schemas = _tool_schemas(episodes[0].env, toolset)
         tools = schemas if schemas and template_supports_tools(tok) else None
         extra_prompt = tools_system_prompt(toolset, tok, fmt) if toolset is not None else ""
         for g in range(len(seeds)):
-            members = slice(g * group_size, (g + 1) * group_size)
+            members = slice(g * branching[0], (g + 1) * branching[0])
             _start_group(policy, episodes[members], starts[members], tools, extra_prompt)
         for e in episodes:
             if len(e) + turn_budget > limit:
@@ -172,13 +190,16 @@ def collect_episodes(
                     f"for one turn of {turn_budget} tokens within max_total_tokens={limit}"
                 )
         for turn in range(max_turns):
+            while level < len(branch_at) and branch_at[level] == turn:  # a branch point
+                episodes = _fork(forker, episodes, branching[level + 1], tool_log, base_anchor)
+                level += 1
             live = [e for e in episodes if not e.end]
             if not live:
                 break
             sampling = (
                 {}
                 if seed is None
-                else {"seeds": [turn_seed(seed, e.group, e.index, turn) for e in live]}
+                else {"seeds": [turn_seed(seed, *e.seed_key(), turn) for e in live]}
             )
             out = policy.engine.generate(
                 [e.prompt + e.ids for e in live], turn_params, greedy=greedy, **sampling
@@ -220,6 +241,7 @@ def collect_episodes(
                     tool_log.pop(key, None)  # the env moves on: a new state to extend
                     base_anchor.pop(key, None)
                     new = _record_turn(e, turn, text, results[k], cut, invalid_penalty)
+                    e.replay.append((text, results[k][0]))  # what a fork replays
                 if e.end:
                     continue
                 if turn + 1 == max_turns:
@@ -234,10 +256,18 @@ def collect_episodes(
                     e.end = "context"
                 else:
                     e.extend(delta, None, -1)
+        while level < len(branch_at):  # every path ended before these branch points: copies
+            episodes = _fork(forker, episodes, branching[level + 1], tool_log, base_anchor)
+            level += 1
     finally:
-        for e in episodes:  # a plain class env may have no close()
-            getattr(e.env, "close", lambda: None)()
+        for env in made:  # a plain class env may have no close()
+            getattr(env, "close", lambda: None)()
     rollout = assemble(episodes, tok, max_turns)
+    order = {id(env): k for k, env in enumerate(made)}
+    rollout.info["env_made"] = [order[id(e.env)] for e in episodes]
+    if tree is not None:
+        for name, value in tree_fields(episodes, len(branching)).items():
+            setattr(rollout, name, value)
     rollout.info["tool_calls"] = [
         sum(len(m.get("tool_calls") or []) for m in e.messages) for e in episodes
     ]  # calls the rollout's tools ran, per episode
@@ -246,6 +276,26 @@ def collect_episodes(
         for e in episodes
     ]
     return rollout
+
+
+def _fork(
+    forker: Forker,
+    episodes: list[Episode],
+    b: int,
+    tool_log: dict[int, list[str]],
+    base_anchor: dict[int, Hashable],
+) -> list[Episode]:
+    """Fork every episode into b children (rows stay in tree order); the children inherit their
+    parent's tool results so far (the anchors of tool turns)."""
+    children = forker.fork(episodes, b)
+    for k, parent in enumerate(episodes):  # pop: a dropped parent's id may be reused
+        log, anchor = tool_log.pop(id(parent), None), base_anchor.pop(id(parent), None)
+        for child in children[k * b : (k + 1) * b]:
+            if log is not None:
+                tool_log[id(child)] = list(log)
+            if anchor is not None:
+                base_anchor[id(child)] = anchor
+    return children
 
 
 def _tool_schemas(env: Any, toolset: ToolSet | None) -> list[dict]:

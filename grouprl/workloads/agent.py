@@ -5,6 +5,16 @@ so the loss is the token loss of workloads/tokens.py. The environment gives the 
 episode return; no reward functions), credit is per turn (objectives/gigpo.py: GiGPO, episode
 GRPO ...), and StarPO-S may keep only the groups whose returns vary most. The episodes are run
 token-in / token-out by rollouts/multi_turn.py over the text environments of envs/gym.py.
+
+Tree rollouts (rollout.tree fixed, branch_at counted in TURNS; rollouts/agent_fork.py): each group
+is a tree of episodes forked at turn boundaries, its leaves the rows. With
+algorithm.tree_advantage other than leaf_group the per-token advantages come from the tree
+(objectives/tree.py, the episode return as the leaf reward) and replace the per-turn credit, so
+agent.credit must be trajectory (config/checks.py refuses the combination); with leaf_group the
+per-turn credit runs over the leaves as over a flat group. Mode tree_grpo's inter-tree level
+groups the trees of one prompt: here the trees whose first prompt (system + first observation)
+is the same token sequence, within one process's batch (e.g. every seed of a fixed FrozenLake map;
+with one tree per start state the inter-tree term equals the intra-tree one).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from grouprl.envs.gym import make_text_env
 from grouprl.envs.tools.schemas import ToolSet, load_tools
 from grouprl.envs.vector import VectorRunner
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
+from grouprl.objectives.tree import tree_from_paths, tree_token_advantages
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
 from grouprl.runtime.env_guard import EnvGuard
@@ -34,7 +45,9 @@ class AgentWorkload:
     """See the module docstring."""
 
     name: ClassVar[str] = "agent"
-    capabilities: ClassVar[Capabilities] = Capabilities(multi_process=True, per_sample_seeding=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        multi_process=True, per_sample_seeding=True, tree_rollouts=True
+    )
     settings: ClassVar[type] = AgentConfig
 
     def __init__(self, parts: Parts) -> None:
@@ -62,6 +75,7 @@ class AgentWorkload:
             got = collect(
                 self.cfg, policy, part, self.params,
                 group_size=self.cfg.rollout.group_size, first_group_id=first,
+                tree=self.cfg.rollout.tree,
             )  # fmt: skip
             return got, {}  # no reward-function errors: the environment gives the rewards
 
@@ -76,6 +90,8 @@ class AgentWorkload:
         return prepare(self.cfg, scorer, rollout, weights, credit=self._credit)
 
     def _credit(self, rollout: Rollout) -> Tensor:
+        if rollout.tree_path is not None and self.cfg.algorithm.tree_advantage != "leaf_group":
+            return tree_advantages(self.cfg, rollout)  # [N, T]
         return advantages(self.cfg, rollout)  # [N, T]
 
     def micro_loss(
@@ -109,8 +125,10 @@ def collect(
     group_size: int,
     first_group_id: int = 0,
     greedy: bool = False,
+    tree: Any = None,
 ) -> Rollout:
-    """group_size episodes per example (an env seed), all examples of one env id."""
+    """group_size episodes per example (an env seed), all examples of one env id; tree:
+    rollout.tree (fixed, branch_at in turns): each group a tree of episodes (rollouts/agent_fork.py)."""
     ag = cfg.agent
     env_ids = {(ex["env_id"], repr(ex.get("env_kwargs"))) for ex in examples}
     if len(env_ids) != 1:
@@ -126,10 +144,18 @@ def collect(
             max_total_tokens=ag.max_total_tokens, invalid_penalty=ag.invalid_penalty,
             first_group_id=first_group_id, greedy=greedy, runner=runner,
             seed=cfg.run.seed if cfg.rollout.seeding == "per_sample" and not greedy else None,
-            toolset=toolset, tool_format=ag.tool_format,
+            toolset=toolset, tool_format=ag.tool_format, tree=_tree_shape(tree, ag.max_turns),
         )  # fmt: skip
-    rollout.info["env_error"] = guard.errors()  # envs are made in episode order
+    errors = guard.errors()  # one per env made; a tree makes more envs than rows (forks)
+    rollout.info["env_error"] = [errors[k] for k in rollout.info.pop("env_made")]
     return rollout
+
+
+def _tree_shape(tree: Any, max_turns: int) -> tuple[list[int], list[int]] | None:
+    """(branching, branch_at in turns) of rollout.tree, None without a tree."""
+    if tree is None or tree.type == "none":
+        return None
+    return list(tree.branching), tree.offsets(max_turns)  # equal turn segments by default
 
 
 def keep_informative(cfg: Any, rollout: Rollout) -> Rollout:
@@ -150,6 +176,28 @@ def advantages(cfg: Any, rollout: Rollout) -> torch.Tensor:
         rollout.anchor_keys, rollout.group_ids,
         gamma=ag.gamma, omega=ag.omega, norm=ag.norm, eps=ag.adv_eps,
     )  # fmt: skip
+
+
+def same_prompt_ids(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
+    """Long[N]: one id per distinct prompt token sequence (rows of equal prompts share it)."""
+    rows = [tuple(p[m].tolist()) for p, m in zip(prompt_ids, prompt_mask)]
+    ids: dict[tuple, int] = {}
+    return torch.tensor([ids.setdefault(r, len(ids)) for r in rows], dtype=torch.long)  # [N]
+
+
+def tree_advantages(cfg: Any, rollout: Rollout) -> Tensor:
+    """Per-token advantages [N, T] of tree rollouts: algorithm.tree_advantage over the episode
+    returns (mode tree_grpo: trees of the same first prompt form its inter-tree groups)."""
+    a = cfg.algorithm
+    parent, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+    prompts = None
+    if a.tree_advantage == "tree_grpo":
+        batch = rollout.actions
+        prompts = same_prompt_ids(batch.prompt_ids, batch.prompt_mask).to(rollout.group_ids.device)
+    return tree_token_advantages(
+        parent, node_of_row, rollout.mask, rollout.rewards["return"], rollout.group_ids,
+        mode=a.tree_advantage, eps=a.adv_eps, prompt_ids=prompts,
+    )  # fmt: skip  # [N, T]
 
 
 def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, float]:

@@ -53,6 +53,21 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 sampling batch size, estimated from this step's rounds instead of a running
                 average); easy / hard are pass / fail of the correctness reward (grouprl/rollouts/budget/
                 greso.py lists every deviation of the selector).
+  tree_grpo     Tree-GRPO (arXiv 2509.21240), for the agent workload: each group is a tree of
+                episodes whose nodes are turns (rollouts/agent_fork.py; rollout.tree fixed,
+                branching [2, 2, 2], branch_at in turns, default agent.max_turns in 3 equal
+                parts), advantage = intra-tree GRPO + inter-tree GRPO of the episode return on
+                every agent token of the leaf path (algorithm.tree_advantage tree_grpo; the inter
+                level groups the trees of one start state), summed with weight 1, shared turns
+                trained once per leaf (tree_scales none), eps 1e-6: as the official code
+                (AMAP-ML/Tree-GRPO, ray_trainer_ts.py, estimator "tree"), read for
+                objectives/tree.py. agent.credit trajectory (the tree's advantage replaces the
+                per-turn credit). Deviations: the paper grows M trees per prompt by L rounds of
+                random expansion of N nodes each; here one tree of fixed shape per group, forked
+                at fixed turn counts (the shape is our choice; M, N, L of the paper's runs are
+                unconfirmed here); a group of one tree gets 0 where the code gives the raw reward;
+                clip 0.2 / seq_mean_token_mean / no KL are this registry's GRPO core
+                [unconfirmed against the paper's runs].
   opd           on-policy distillation alone: pg_coef 0 and algorithm.distill {estimator k1,
                 coef 1.0}: per-token reverse KL(student || teacher) on the student's own samples,
                 the k1 score-function form, -(ls - lt) as a per-token advantage (Thinking
@@ -388,6 +403,20 @@ TEXT_PRESETS: list[dict] = [
             "tree_scales": "shared_segment",
             "rollout.group_size": 8,
             "rollout.tree": {"type": "fixed", "branching": [2, 2, 2]},
+        },
+    ),
+    dict(
+        name="tree_grpo",
+        arxiv="2509.21240",
+        summary="Agents: episodes sampled as a tree over turns; intra-tree plus inter-tree GRPO advantage.",
+        settings={
+            **_GRPO_CORE,
+            "adv_eps": 1e-6,
+            "tree_advantage": "tree_grpo",
+            "tree_scales": "none",
+            "rollout.group_size": 8,
+            "rollout.tree": {"type": "fixed", "branching": [2, 2, 2]},
+            "agent.credit": "trajectory",
         },
     ),
     dict(
