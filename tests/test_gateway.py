@@ -412,6 +412,7 @@ def test_program_failures_name_the_episode(policy):
             gw, lambda u, e, x: ask(u, e) and None, [{"k": 1}, {"k": 2}], 2, first_group_id=5,
             reward_fn=lambda ex, calls: ex["k"] + len(calls),
         )  # fmt: skip
+    assert gw._batcher is None  # stopped with the server
     assert [(f.group, f.index, f.reward) for f in done] == [
         (5, 0, 2.0),
         (5, 1, 2.0),
@@ -453,3 +454,29 @@ def test_messages_the_template_refuses_are_a_400(tmp_path):
                 messages=[{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
             )  # fmt: skip
         assert gw.episodes.end("m").calls == []
+
+
+def test_concurrent_episodes_sample_in_one_batch_with_their_own_log_probs(policy):
+    """4 episodes that call at the same moment are one engine batch; each row's recorded log-probs
+    are still the policy's scores of its own tokens."""
+    import threading
+
+    from grouprl.rollouts.gateway.episodes import run_episodes
+
+    barrier = threading.Barrier(4)
+
+    def together(base_url, episode_id, example):
+        barrier.wait(timeout=10)
+        c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": example["q"]}], user=episode_id
+        )
+        return 0.0
+
+    with Gateway(policy, SamplingParams(max_new_tokens=6), max_batch=8) as gw:
+        batcher = gw._batcher
+        done = run_episodes(gw, together, [{"q": "a"}, {"q": "bcd"}], 2, concurrency=4)
+    assert batcher.largest > 1
+    rollout = episodes_rollout(done, policy.tokenizer, "error")
+    mask = rollout.mask
+    assert torch.allclose(_scored(policy, rollout)[mask], rollout.engine_logp[mask], atol=1e-4)

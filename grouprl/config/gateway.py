@@ -45,6 +45,12 @@ class GatewayConfig(Section):
         "between); a call whose prompt + max_tokens would pass it gets a 400 error.",
     )
     concurrency: int = Field(4, ge=1, description="Episodes (program calls) run at once.")
+    max_batch: int = Field(
+        64,
+        ge=1,
+        description="Calls of different episodes generated together at most (calls arriving "
+        "within 5 ms of each other with the same sampling are one engine batch).",
+    )
     episode_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of one episode; a program past it fails the step."
     )

@@ -82,7 +82,7 @@ class GatewayWorkload:
         with Gateway(
             policy, self.params, model_name=g.model_name,
             max_episode_tokens=g.max_episode_tokens, request_timeout_s=g.request_timeout_s,
-            tool_format=g.tool_format, weight_version=self.weight_version,
+            tool_format=g.tool_format, weight_version=self.weight_version, max_batch=g.max_batch,
         ) as gateway:  # fmt: skip
             return run_episodes(
                 gateway, self.program, examples, group_size, first_group_id=first,

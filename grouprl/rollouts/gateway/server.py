@@ -14,7 +14,8 @@ Episode id: the header `X-Episode-Id`, or the request's `user` field (both given
 equal). Every call is recorded under it (record.py): the prompt token ids as the chat template
 rendered them (or the episode's tokens so far + the new messages' delta), the completion ids,
 their sampling log-probs, the weight version and the finish reason. Calls of one episode are
-answered one at a time; the engine runs one call at a time (no batching across calls).
+answered one at a time; calls of different episodes that arrive together are generated as one
+batch (batcher.py, at most `max_batch`).
 
 Errors are JSON `{"error": {"message", "type", ...}}` with a 4xx status, never a hang: malformed
 JSON / fields 400, no episode id 400, unknown episode 404, ended episode 410, no Content-Length
@@ -48,6 +49,7 @@ from grouprl.envs.tools.formats import (
     text_outside_calls,
 )
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.gateway.batcher import EngineBatcher
 from grouprl.rollouts.gateway.record import (
     Call,
     EpisodeStore,
@@ -74,7 +76,8 @@ def _error_body(status: int, message: str, kind: str) -> dict:
 
 class Gateway:
     """The server over `policy` (anything with `engine` and `tokenizer`). params: the run's
-    sampling (rollout:); weight_version: bumped by the trainer after each update. Use as a
+    sampling (rollout:); weight_version: bumped by the trainer after each update; max_batch: calls
+    generated together at most. Use as a
     context manager (or start / stop); `base_url` is http://127.0.0.1:PORT/v1."""
 
     def __init__(
@@ -87,6 +90,7 @@ class Gateway:
         request_timeout_s: float = 60.0,
         tool_format: str = "auto",
         weight_version: int = 0,
+        max_batch: int = 64,
         port: int = 0,
     ) -> None:
         self.policy, self.params = policy, params
@@ -95,7 +99,8 @@ class Gateway:
         self.tool_format = resolve_tool_format(tool_format, policy.tokenizer)
         self.weight_version = weight_version
         self.episodes = EpisodeStore()
-        self._engine_lock = threading.Lock()
+        self.max_batch = max_batch
+        self._batcher: EngineBatcher | None = None
         self._port = port
         self._http: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -109,6 +114,9 @@ class Gateway:
         return f"http://127.0.0.1:{self._http.server_address[1]}/v1"
 
     def start(self) -> Gateway:
+        self._batcher = EngineBatcher(
+            self.policy, max_batch=self.max_batch, timeout_s=self.request_timeout_s
+        )
         handler = type("Handler", (_Handler,), {"gateway": self, "timeout": self.request_timeout_s})
         self._http = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
         self._http.daemon_threads = True
@@ -124,6 +132,9 @@ class Gateway:
             self._http.server_close()
             self._thread.join(timeout=10)
             self._http = self._thread = None
+        if self._batcher is not None:
+            self._batcher.stop()
+            self._batcher = None
 
     def __enter__(self) -> Gateway:
         return self.start()
@@ -361,20 +372,7 @@ class Gateway:
                 f"the prompt has {len(ids)} tokens; with max_tokens={params.max_new_tokens} the "
                 f"episode would pass gateway.max_episode_tokens={self.max_episode_tokens}",
             )
-        if not self._engine_lock.acquire(timeout=self.request_timeout_s):
-            raise GatewayError(
-                503,
-                f"the engine stayed busy for gateway.request_timeout_s={self.request_timeout_s}s",
-                "server_error",
-            )
-        try:
-            extra = {} if seed is None else {"seeds": [seed]}
-            out = self.policy.engine.generate([ids], params, **extra)
-        finally:
-            self._engine_lock.release()
-        if not out.completion_ids[0]:
-            raise RuntimeError("the engine returned an empty completion")
-        return list(out.completion_ids[0]), list(out.logprobs[0]), bool(out.truncated[0])
+        return self._batcher.generate(ids, params, seed)
 
 
 def assistant_message(tok: Any, out_ids: list[int], fmt: str | None, turn: int) -> dict:
