@@ -195,6 +195,13 @@ def test_tool_calls_in_openai_shape_and_the_reply_extends_the_episode(policy):
     assert segment == 0 and ids[: len(p) + len(out)] == p + out
     # the template closes the assistant turn with "\n" (its EOS is no closing text)
     assert tok.decode(ids[len(p) + len(out) :]) == "\n<|tool|>\n5\n<|assistant|>\n"
+    # the tiny template has no tools branch: the tools are listed in a system message put first
+    listed = tok.decode(chat_prompt(tok, EpisodeLog("n"), first, [ADD_TOOL])[0])
+    assert (
+        listed.startswith("<|system|>\nYou can use the following tools")
+        and '"name": "add"' in listed
+    )
+    assert listed.endswith("<|user|>\n2+3?\n<|assistant|>\n")
     # another tool list is another conversation: a new segment
     assert chat_prompt(tok, log, history, None)[1] == 1
 
@@ -295,7 +302,7 @@ def test_two_training_steps_on_an_openai_agent(tmp_path, tiny_model_dir):
         "run": {"name": "run", "output_dir": str(tmp_path), "device": "cpu", "console": False},
         "model": {"name_or_path": str(tiny_model_dir)},
         "workload": {"type": "gateway"},
-        "gateway": {"program": f"{program}:agent", "max_episode_tokens": 400, "concurrency": 2},
+        "gateway": {"program": f"{program}:agent", "max_episode_tokens": 1024, "concurrency": 2},
         "task": {"name": "arithmetic", "options": {"n_train": 8, "n_eval": 2}},
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 6},
         "algorithm": {"kl_coef": 0.0},

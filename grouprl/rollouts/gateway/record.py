@@ -9,6 +9,9 @@ so the episode is one token sequence the policy's own samples sit in. A call tha
 the previous one that way (the program rewrote or dropped history, changed the tools, or mixed
 /v1/completions and /v1/chat/completions) is rendered afresh and starts a new *segment*; the
 workload then splits the episode into one row per segment or refuses it (gateway.on_rewrite).
+Tools: the request's schemas go to the chat template as `tools=` when it has a tools branch, else
+(as in the multi-turn rollouts) a plain-text listing of them and of the call format is appended to
+the system message of a fresh rendering (a system message is put first when there is none).
 /v1/completions calls extend the same way on text: the new prompt starts with the previous prompt
 text + the returned text; the rest is tokenised alone and appended.
 """
@@ -21,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from grouprl.envs.tools.schemas import template_supports_tools
+from grouprl.envs.tools.schemas import template_supports_tools, tools_listing
 from grouprl.rollouts.chat_delta import messages_delta_ids, prompt_ids
 
 
@@ -194,10 +197,26 @@ def _same(a: dict, b: dict) -> bool:
 # ---- the prompt of a call --------------------------------------------------------------------------
 
 
+def _with_tool_listing(messages: list[dict], listing: str) -> list[dict]:
+    """The tools' plain-text listing at the end of the system message (one is put first when
+    the chat has none)."""
+    if not listing:
+        return messages
+    if messages[0]["role"] == "system":
+        content = "\n\n".join(p for p in (messages[0]["content"], listing) if p)
+        return [{**messages[0], "content": content}, *messages[1:]]
+    return [{"role": "system", "content": listing}, *messages]
+
+
 def chat_prompt(
-    tokenizer: Any, log: EpisodeLog, messages: list[dict], tools: list[dict] | None
+    tokenizer: Any,
+    log: EpisodeLog,
+    messages: list[dict],
+    tools: list[dict] | None,
+    tool_format: str = "hermes",
 ) -> tuple[list[int], int]:
-    """(prompt ids, segment) of a chat call (see the module docstring)."""
+    """(prompt ids, segment) of a chat call (see the module docstring). tool_format: the call
+    format the plain-text tool listing teaches (templates without a tools branch)."""
     template_tools = tools if tools and template_supports_tools(tokenizer) else None
     prev = log.calls[-1] if log.calls else None
     if prev is not None and prev.kind == "chat" and prev.tools == tools:
@@ -211,6 +230,8 @@ def chat_prompt(
             delta = messages_delta_ids(tokenizer, messages[n + 1 :], ended, template_tools)
             return prev.prompt_ids + prev.completion_ids + delta, prev.segment
     segment = prev.segment + 1 if prev is not None else 0
+    if tools and template_tools is None:
+        messages = _with_tool_listing(messages, tools_listing(tools, tokenizer, tool_format))
     return prompt_ids(tokenizer, messages, template_tools), segment
 
 

@@ -173,7 +173,9 @@ class Gateway:
         with log.lock:
             self._still_open(log)
             try:
-                ids, segment = chat_prompt(self.policy.tokenizer, log, messages, tools)
+                ids, segment = chat_prompt(
+                    self.policy.tokenizer, log, messages, tools, self.tool_format
+                )
             except (ValueError, TemplateError) as exc:  # the template refuses these messages
                 raise GatewayError(
                     400, f"the chat template cannot render these messages: {exc}"
