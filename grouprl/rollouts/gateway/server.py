@@ -201,7 +201,7 @@ class Gateway:
                     text=text,
                     message=message,
                     temperature=params.temperature,
-                )  # fmt: skip
+                )
             )
             call = log.calls[-1]
         wire = wire_message(message)
@@ -264,7 +264,7 @@ class Gateway:
                     prompt_text=prompt,
                     text=text,
                     temperature=params.temperature,
-                )  # fmt: skip
+                )
             )
             call = log.calls[-1]
         logprobs = None
