@@ -3,7 +3,9 @@
 none   G independent samples per prompt (the default)
 fixed  branching [b_1, ..., b_d] children per node at each depth, branch_at [t_1 < ... <
        t_{d-1}] the completion offsets (tokens) where depth k + 1 starts; G = b_1 * ... * b_d
-       leaves (grouprl/rollouts/fork.py)
+       leaves (grouprl/rollouts/fork.py). For the agent workload the tree's nodes are turns:
+       branch_at counts TURNS (before turn t_k every episode forks; default agent.max_turns in d
+       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py)
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ class FixedTree(Section):
     branch_at: list[int] | None = Field(
         None,
         description="Completion offsets (tokens) where depths 2..d start, increasing (None: "
-        "max_new_tokens split into d equal segments).",
+        "max_new_tokens split into d equal segments). Agent workload: turn counts (None: "
+        "agent.max_turns split into d equal parts).",
     )
     segment_tokens: int | None = Field(
         None,
         ge=1,
         description="Instead of branch_at: every depth but the last is this many tokens "
-        "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...].",
+        "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...]. Not for the agent workload "
+        "(its trees branch at turns).",
     )
 
     @model_validator(mode="before")
