@@ -11,10 +11,12 @@ A tree samples fewer tokens per step, so it runs more steps (--tree-steps, defau
 the table compares them at equal sampled tokens: flat after --steps steps against the tree at its
 first step whose cumulative rollout/sampled_actions reaches flat's. Success = the training
 episodes' success rate (sampled at temperature 1) averaged over the last --window steps up to
-that point; eval = the sampled success of eval.pass_k episodes per held-out seed at the closest
+that point (row tree= : the tree at flat's step count instead, with fewer tokens); eval = the
+sampled success of eval.pass_k episodes per held-out seed at the closest
 evaluation. Runs go two at a time, one CPU thread each.
 
-    python benchmarks/tree_agents.py [--steps 12] [--seeds 0 1 2] [--out runs/tree-agents]
+    python benchmarks/tree_agents.py [--steps 15] [--seeds 0 1 2] [--out runs/tree-agents]
+    (grouprl bench tree-agents; the table: --report-only; rows also in benchmarks/results/tree_agents.json)
 """
 
 from __future__ import annotations
@@ -65,10 +67,14 @@ def rows(run_dir: Path, split: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("split") == split or split in r]
 
 
-def at_tokens(run_dir: Path, budget: float | None, window: int) -> dict:
+def at_tokens(
+    run_dir: Path, budget: float | None, window: int, max_step: int | None = None
+) -> dict:
     """Training success over the last `window` steps up to the first step whose cumulative
-    sampled tokens reach `budget` (None: the last step), and the closest sampled evaluation."""
+    sampled tokens reach `budget` (None: the last step, or step `max_step`), and the closest
+    sampled evaluation."""
     train = [r for r in rows(run_dir, "train") if "rollout/sampled_actions" in r]
+    train = [r for r in train if max_step is None or r["step"] <= max_step]
     cum, upto = 0.0, len(train)
     for k, r in enumerate(train):
         cum += r["rollout/sampled_actions"]
@@ -90,13 +96,16 @@ def at_tokens(run_dir: Path, budget: float | None, window: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=15)
     p.add_argument("--tree-steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--every", type=int, default=4, help="eval.every of both runs")
+    p.add_argument("--every", type=int, default=5, help="eval.every of both runs")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "tree-agents")
     p.add_argument("--report-only", action="store_true", help="tabulate finished runs")
+    p.add_argument(
+        "--json", type=Path, default=ROOT / "benchmarks" / "results" / "tree_agents.json"
+    )
     a = p.parse_args(argv)
     tree_steps = a.tree_steps or math.ceil(2.3 * a.steps)
     model = warm_checkpoint(a.out)
@@ -113,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{'tokens/step':>11} | {'train success':>13} | {'eval sampled (step)':>19}")  # fmt: skip
     print(head)
     print("-" * len(head))
-    sums: dict[str, list[dict]] = {"flat": [], "tree": []}
+    sums: dict[str, list[dict]] = {"flat": [], "tree": [], "tree=": []}
     for seed in a.seeds:
         flat = at_tokens(a.out / f"flat-s{seed}", None, a.window)
         tree = at_tokens(a.out / f"tree-s{seed}", flat["tokens"], a.window)
-        for label, m in (("flat", flat), ("tree", tree)):
+        same = at_tokens(a.out / f"tree-s{seed}", None, a.window, max_step=flat["step"])
+        for label, m in (("flat", flat), ("tree", tree), ("tree=", same)):
             sums[label].append(m)
             print(f"{seed:>4} | {label:5} | {m['step']:>5} | {m['tokens']:>14.0f} | "
                   f"{m['tokens_per_step']:>11.0f} | {100 * m['success']:>12.1f}% | "
@@ -126,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         mean = {k: sum(m[k] for m in ms) / len(ms) for k in ("tokens", "success", "eval")}
         print(f"mean | {label:5} | {'':>5} | {mean['tokens']:>14.0f} | {'':>11} | "
               f"{100 * mean['success']:>12.1f}% | {100 * mean['eval']:>9.1f}%")  # fmt: skip
+    print("tree: at flat's sampled tokens; tree=: at flat's step count (fewer tokens)")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({"steps": a.steps, "tree_steps": tree_steps, "seeds": a.seeds,
+                                  "window": a.window, "runs": sums}, indent=1))  # fmt: skip
     return 0
 
 
