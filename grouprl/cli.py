@@ -152,6 +152,7 @@ BENCHMARKS = {
     "engines-hf-vs-vllm": "engines_hf_vs_vllm.py",
     "async-speedup": "async_speedup.py",
     "http-reward-overlap": "http_reward_overlap.py",
+    "tree-agents": "tree_agents.py",
 }
 
 

@@ -212,3 +212,22 @@ def test_tree_grpo_trains_on_a_real_agent_tree(tmp_path, tiny_model_dir):
     assert len(rows) == 2
     # 2 trees of 8 leaves, 3 turns of <= 6 tokens: shared turns are sampled once
     assert all(0 < r["rollout/sampled_actions"] < 2 * 8 * 3 * 6 for r in rows)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "processes"])
+def test_agent_collect_forks_guarded_envs_and_maps_env_errors_to_rows(
+    execution, tmp_path, tiny_model_dir
+):
+    """Through the workload's collect: envs behind the guard (in their own process with
+    `processes`) are re-created by replay; env_error has one entry per row (not per env made)."""
+    from grouprl.workloads.agent import collect
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, "agent.max_turns=3", "agent.credit=trajectory",
+                   "rollout.group_size=4", f"agent.env_execution={execution}",
+                   "rollout.tree={type: fixed, branching: [2, 2], branch_at: [1]}")  # fmt: skip
+    policy = CausalLMPolicy.from_pretrained(str(tiny_model_dir))
+    examples = [{"env_id": "grouprl/FrozenLake-v0", "env_kwargs": {"max_steps": 3}, "seed": 4}]
+    r = collect(cfg, policy, examples, SamplingParams(temperature=1.0, max_new_tokens=6),
+                group_size=4, tree=cfg.rollout.tree)  # fmt: skip
+    assert len(r) == 4 and r.info["env_error"] == [None] * 4 and "env_made" not in r.info
+    assert r.tree_path.shape == (4, 3)

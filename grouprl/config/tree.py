@@ -6,7 +6,9 @@ fixed  branching [b_1, ..., b_d] children per node at each depth, branch_at [t_1
        leaves (grouprl/rollouts/fork.py). For an image / video policy (workload images) branch_at
        and segment_tokens count DENOISING STEPS (0-based step index where depth k + 1 starts, of
        diffusion.rollout_steps; None: the steps split into d equal windows):
-       grouprl/policies/flow/fork.py
+       grouprl/policies/flow/fork.py. For the agent workload the tree's nodes are turns:
+       branch_at counts TURNS (before turn t_k every episode forks; default agent.max_turns in d
+       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py)
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ class FixedTree(Section):
     branch_at: list[int] | None = Field(
         None,
         description="Completion offsets (tokens) where depths 2..d start, increasing (None: "
-        "max_new_tokens split into d equal segments).",
+        "max_new_tokens split into d equal segments). Agent workload: turn counts (None: "
+        "agent.max_turns split into d equal parts).",
     )
     segment_tokens: int | None = Field(
         None,
         ge=1,
         description="Instead of branch_at: every depth but the last is this many tokens "
-        "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...].",
+        "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...]. Not for the agent workload "
+        "(its trees branch at turns).",
     )
 
     prune_fraction: float = Field(
