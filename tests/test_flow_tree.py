@@ -198,3 +198,12 @@ def test_pruned_rows_leave_the_forward_pass_and_keep_the_gradient(tmp_path):
     assert seen == [4, 8]
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*grads))
     assert any(bool(a.abs().sum() > 0) for a in grads[0])
+
+
+def test_the_branch_grpo_preset_trains_with_a_tree_fitted_to_the_model(tmp_path):
+    train(module_cfg(tmp_path, "algorithm.preset=branch_grpo", "rollout.group_size=4",
+                     "rollout.tree={type: fixed, branching: [2, 2], branch_at: [1]}",
+                     "diffusion.rollout_steps=3", "train.steps=1"))  # fmt: skip
+    (row,) = metrics(tmp_path / "run")
+    assert row["rollout/sampled_actions"] < 2 * 4 * 3  # shared first steps run once per node
+    assert all(v == v for v in row.values() if isinstance(v, float))
