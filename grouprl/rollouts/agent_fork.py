@@ -45,24 +45,12 @@ from typing import Any
 import torch
 
 from grouprl.rollouts.episode_record import Episode
-from grouprl.rollouts.fork import NODES_PER_TREE
+from grouprl.rollouts.fork import NODES_PER_TREE, check_tree
 
 
 def check_turn_tree(branching: list[int], branch_at: list[int], max_turns: int) -> None:
     """One error naming the options when an agent tree's shape cannot work."""
-    if not branching or any(b < 1 for b in branching):
-        raise ValueError(f"rollout.tree.branching={branching}: one count >= 1 per depth")
-    if len(branch_at) != len(branching) - 1:
-        raise ValueError(
-            f"rollout.tree.branch_at={branch_at} needs {len(branching) - 1} turn counts (one per "
-            f"branch point after the first depth of branching={branching})"
-        )
-    bounds = [0, *branch_at, max_turns]
-    if any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"rollout.tree.branch_at={branch_at} (turns, for agents) must increase strictly "
-            f"inside (0, agent.max_turns={max_turns})"
-        )
+    check_tree(branching, branch_at, max_turns, unit="turn counts", limit_option="agent.max_turns")
 
 
 def root_episodes(env_of: Callable[[], Any], group: int, seed: int, b: int) -> list[Episode]:

@@ -75,20 +75,30 @@ def _seed_id(node: _Node, group_ids: list[int]) -> int:
     return int(group_ids[node.row]) if len(node.path) == 1 else -1 - node.path[-1]
 
 
-def check_tree(branching: list[int], branch_at: list[int], max_new_tokens: int) -> None:
-    """One error naming the options when the tree's shape cannot work."""
+def check_tree(
+    branching: list[int],
+    branch_at: list[int],
+    limit: int,
+    *,
+    unit: str = "offsets",
+    limit_option: str = "rollout.max_new_tokens",
+) -> None:
+    """One error naming the options when the tree's shape cannot work: branch_at must hold one
+    point per depth after the first, increasing strictly inside (0, limit). unit / limit_option:
+    what the points count (completion offsets for text, turns for agents, denoising steps for
+    flows) and the option bounding them."""
     if not branching or any(b < 1 for b in branching):
         raise ValueError(f"rollout.tree.branching={branching}: one count >= 1 per depth")
     if len(branch_at) != len(branching) - 1:
         raise ValueError(
-            f"rollout.tree.branch_at={branch_at} needs {len(branching) - 1} offsets (one per "
+            f"rollout.tree.branch_at={branch_at} needs {len(branching) - 1} {unit} (one per "
             f"branch point after the first depth of branching={branching})"
         )
-    bounds = [0, *branch_at, max_new_tokens]
+    bounds = [0, *branch_at, limit]
     if any(b >= c for b, c in zip(bounds, bounds[1:])):
         raise ValueError(
-            f"rollout.tree.branch_at={branch_at} must increase strictly inside (0, "
-            f"rollout.max_new_tokens={max_new_tokens})"
+            f"rollout.tree.branch_at={branch_at} ({unit}) must increase strictly inside (0, "
+            f"{limit_option}={limit})"
         )
 
 

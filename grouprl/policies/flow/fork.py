@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from grouprl.policies.flow.sampling import gen_device
+from grouprl.policies.flow.sampling import chain_rollout, gen_device
 from grouprl.policies.flow.schedule import initial_noise, select_steps
 from grouprl.policies.flow.steps import run_chain
-from grouprl.policies.flow.types import FlowBatch, FlowCondition, check_choice
-from grouprl.rollouts.fork import NODES_PER_TREE
+from grouprl.policies.flow.types import FlowCondition, check_choice
+from grouprl.rollouts.fork import NODES_PER_TREE, check_tree
 from grouprl.types import Rollout
 
 if TYPE_CHECKING:
@@ -57,19 +57,13 @@ if TYPE_CHECKING:
 
 def check_step_tree(branching: list[int], branch_at: list[int], steps: int) -> None:
     """One error naming the options when the tree cannot be cut from `steps` denoising steps."""
-    if not branching or any(b < 1 for b in branching):
-        raise ValueError(f"rollout.tree.branching={branching}: one count >= 1 per depth")
-    if len(branch_at) != len(branching) - 1:
-        raise ValueError(
-            f"rollout.tree.branch_at={branch_at} needs {len(branching) - 1} step indices (one "
-            f"per depth after the first of branching={branching})"
-        )
-    bounds = [0, *branch_at, steps]
-    if any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"rollout.tree.branch_at={branch_at} (denoising steps for an image policy) must "
-            f"increase strictly inside (0, diffusion.rollout_steps={steps})"
-        )
+    check_tree(
+        branching,
+        branch_at,
+        steps,
+        unit="denoising step indices",
+        limit_option="diffusion.rollout_steps",
+    )
 
 
 def _level_ids(branching: list[int], level: int, gids: Tensor) -> Tensor:
@@ -189,16 +183,10 @@ def sample_tree_groups(
     segment = torch.empty(n, k_steps, dtype=torch.long)  # [N, K]
     for level, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         segment[:, lo:hi] = level + 1
-    batch = FlowBatch(
-        latents=latents, sigmas=cols["sigmas"], timesteps=cols["timesteps"], cond=cond_n,
-        guidance_scale=gscale, train_mask=train, stochastic=stoch,
-        alphas=cols.get("alphas"), old_mean=means, sampler=rules.sampler,
-        noise_level=rules.noise_level,
+    return chain_rollout(
+        rules, latents, logp, means, cols, cond_n, gscale, train, stoch, gids, prompts, g,
+        tree_path=path, tree_segment=segment, generated=generated,
     )  # fmt: skip
-    info = {} if prompts is None else {"prompt": [p for p in prompts for _ in range(g)]}
-    return Rollout(group_ids=gids, rewards={}, actions=batch, old_logp=logp, mask=train.clone(),
-                   tree_path=path, tree_segment=segment, generated=generated,
-                   info=info)  # fmt: skip
 
 
 def cond_rows_of(cond: FlowCondition, rows: Tensor) -> FlowCondition:

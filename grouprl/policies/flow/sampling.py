@@ -87,6 +87,14 @@ def sample_groups(
         partial(policy.predict, policy.model), rules.step, x, cols, cond_n, gscale, stochastic,
         train, generator=generator, chunk=chunk_size or n, store_means=store_means,
     )  # fmt: skip
+    return chain_rollout(rules, latents, logp, means, cols, cond_n, gscale, train, stochastic,
+                         gids, prompts, group_size)  # fmt: skip
+
+
+def chain_rollout(rules, latents, logp, means, cols, cond_n, gscale, train, stochastic, gids,
+                  prompts, group_size, **tree: Tensor) -> Rollout:  # fmt: skip
+    """The Rollout of sampled chains: latents [N, K+1, ...], logp [N, K], the schedule columns,
+    the step masks train / stochastic [N, K]; `tree`: a tree rollout's fields (fork.py)."""
     batch = FlowBatch(
         latents=latents, sigmas=cols["sigmas"], timesteps=cols["timesteps"], cond=cond_n,
         guidance_scale=gscale, train_mask=train, stochastic=stochastic,
@@ -95,7 +103,7 @@ def sample_groups(
     )  # fmt: skip
     info = {} if prompts is None else {"prompt": [p for p in prompts for _ in range(group_size)]}
     return Rollout(group_ids=gids, rewards={}, actions=batch, old_logp=logp, mask=train.clone(),
-                   info=info)  # fmt: skip
+                   info=info, **tree)  # fmt: skip
 
 
 def gen_device(generator: torch.Generator | None) -> torch.device:
