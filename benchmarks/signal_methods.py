@@ -56,7 +56,11 @@ def sampled_tokens(run_dir: Path) -> float:
     return sum(r.get("rollout/sampled_actions", 0.0) for r in rows if r["split"] == "train")
 
 
-def run(args: argparse.Namespace, console: Console) -> dict[str, list[dict]]:
+def run(
+    args: argparse.Namespace, console: Console, methods: dict[str, list[str]] = METHODS
+) -> dict[str, list[dict]]:
+    """Train every method of args.methods (overrides from `methods`) for every seed; results
+    are kept in OUT/signal_methods.json as they come."""
     out = Path(args.output_dir)
     store = out / "signal_methods.json"
     results: dict[str, list[dict]] = json.loads(store.read_text()) if store.exists() else {}
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, list[dict]]:
         for method in args.methods:
             if any(r["seed"] == seed for r in results.get(method, [])):
                 continue
-            extra = list(METHODS[method])
+            extra = list(methods[method])
             if method == "opd":
                 teacher = out / f"grpo-seed{seed}" / "checkpoints"
                 folders = sorted(teacher.glob("step-*/model"))
@@ -99,9 +103,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, list[dict]]:
     return results
 
 
-def report(results: dict[str, list[dict]], out: Path, steps: int) -> str:
-    """The table: mean ± sample std over seeds, and each method's after-accuracy minus grpo's on
-    the same seed (paired: the seeds' warm-ups differ by more than the methods do)."""
+def report(results: dict[str, list[dict]], out: Path, steps: int, baseline: str = "grpo") -> str:
+    """The table: mean ± sample std over seeds, and each method's after-accuracy minus the
+    baseline's on the same seed (paired: the seeds' warm-ups differ by more than the methods do)."""
 
     def ms(xs: list[float], digits: int = 1) -> str:
         if not xs:
@@ -110,9 +114,9 @@ def report(results: dict[str, list[dict]], out: Path, steps: int) -> str:
             return f"{xs[0]:.{digits}f}"
         return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
-    base = {r["seed"]: r for r in results.get("grpo", [])}
+    base = {r["seed"]: r for r in results.get(baseline, [])}
     lines = [f"held-out greedy accuracy (%) after {steps} steps; mean ± sample std over seeds",
-             "", "| method | seeds | before | after | after − grpo (same seed) | sampled tokens (k) "
+             "", f"| method | seeds | before | after | after − {baseline} (same seed) | sampled tokens (k) "
              "| gain per M tokens | seconds/run |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method, rows in results.items():
         rows = sorted(rows, key=lambda r: r["seed"])
@@ -124,7 +128,7 @@ def report(results: dict[str, list[dict]], out: Path, steps: int) -> str:
         before = statistics.mean(100 * r["before"] for r in rows)
         secs = statistics.mean(r["seconds"] for r in rows)
         lines.append(f"| {method} | {len(rows)} | {before:.1f} | {ms(after)} | "
-                     f"{ms(paired) if method != 'grpo' else '—'} | {ms(tokens, 0)} | {ms(per_m)} "
+                     f"{ms(paired) if method != baseline else '—'} | {ms(tokens, 0)} | {ms(per_m)} "
                      f"| {secs:.0f} |")  # fmt: skip
     seeds = sorted({r["seed"] for rows in results.values() for r in rows})
     lines += ["", "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
@@ -137,6 +141,18 @@ def report(results: dict[str, list[dict]], out: Path, steps: int) -> str:
     text = "\n".join(lines)
     (out / "signal_methods.md").write_text(text + "\n")
     return text
+
+
+def collect(dirs: list[str], out: Path, name: str) -> dict[str, list[dict]]:
+    """The results of several output directories (e.g. one per seed, run side by side), merged
+    into out / name."""
+    merged: dict[str, list[dict]] = {}
+    for d in dirs:
+        for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
+            merged.setdefault(method, []).extend(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(merged, indent=1))
+    return merged
 
 
 def main() -> None:
@@ -160,14 +176,9 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     if args.collect:
-        merged: dict[str, list[dict]] = {}
-        for d in args.collect:
-            for method, rows in json.loads((Path(d) / "signal_methods.json").read_text()).items():
-                merged.setdefault(method, []).extend(rows)
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "signal_methods.json").write_text(json.dumps(merged, indent=1))
-        print(report({m: merged[m] for m in METHODS if m in merged}, out, args.steps))
+        merged = collect(args.collect, Path(args.output_dir), "signal_methods.json")
+        print(report({m: merged[m] for m in METHODS if m in merged}, Path(args.output_dir),
+                     args.steps))  # fmt: skip
         return
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()

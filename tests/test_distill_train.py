@@ -129,6 +129,21 @@ def test_teacher_equal_to_the_students_initial_weights_gives_zero(tmp_path, tiny
     assert grads and max(float(g.abs().max()) for g in grads) < 1e-5
 
 
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_a_run_with_its_own_initial_weights_as_teacher_logs_zero_at_step_one(
+    tmp_path, tiny_model_dir, estimator
+):
+    """Step 1's batch is sampled and scored by the initial weights = the teacher's: the logged
+    term is 0 (with the RL loss on)."""
+    cfg = validate(_raw(tmp_path, tiny_model_dir, tiny_model_dir,
+                        f"algorithm.distill.estimator={estimator}", "train.steps=1",
+                        "algorithm.pg_coef=1.0"))  # fmt: skip
+    train(cfg)
+    rows = _rows(tmp_path / "run")
+    assert len(rows) == 1 and "pg_loss" in rows[0]
+    assert abs(rows[0]["distill_kl"]) < 1e-5 and abs(rows[0]["distill_loss"]) < 1e-5
+
+
 # ---- a few steps: the student moves towards the teacher ---------------------------------------
 
 

@@ -14,7 +14,10 @@ from grouprl.config.presets.flow import FLOW_PRESETS
 from grouprl.objectives.flow.losses import LIKELIHOOD_FREE
 from grouprl.policies.flow.samplers import SAMPLERS
 
-FLOW = ["flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "ddpo", "diffusion_nft", "awm"]
+FLOW = [
+    "flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "ddpo", "diffusion_nft", "awm",
+    "branch_grpo",
+]  # fmt: skip
 MINIMAL = {
     "workload": {"type": "images"},
     "model": {"name_or_path": "x", "type": "flow"},

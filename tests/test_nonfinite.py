@@ -192,8 +192,8 @@ def test_a_nan_advantage_becomes_a_skipped_step(tiny_model_dir, tmp_path, monkey
     a clear error, by the advantage code: see test_an_infinite_reward_is_a_clear_error.)"""
     real_prepare, calls = text_wl.prepare, []
 
-    def nan_advantage_on_step_2(cfg, policy, rollout, weights):
-        metrics = real_prepare(cfg, policy, rollout, weights)
+    def nan_advantage_on_step_2(cfg, policy, rollout, weights, **more):
+        metrics = real_prepare(cfg, policy, rollout, weights, **more)
         calls.append(1)
         if len(calls) == 2:
             rollout.advantages[0] = math.nan

@@ -64,7 +64,7 @@ def _adv(mode, **kw):
 def test_registries():
     assert sorted(SEGMENT_ADVANTAGES.names()) == ["diff", "sibling_norm"]
     assert sorted(TREE_MODES.names()) == [
-        "leaf_group", "segment", "tempo", "tree_grpo", "treerl", "treerpo"
+        "branch_grpo", "leaf_group", "segment", "tempo", "tree_grpo", "treerl", "treerpo"
     ]  # fmt: skip
     with pytest.raises(ValueError, match="unknown tree advantage mode 'nope'"):
         _adv("nope")

@@ -157,3 +157,42 @@ def test_treerpo_trains_on_a_real_tree(tmp_path, tiny_model_dir):
     assert len(rows) == 2 and all(r["rollout/sampled_actions"] < 2 * 8 * 4 for r in rows)
     with pytest.raises(ValueError, match="needs a tree"):
         make_cfg(tmp_path, tiny_model_dir, "algorithm.tree_advantage=treerpo")
+
+
+@pytest.mark.parametrize("threshold", [2.0, 5.45])
+def test_entropy_tree_branches_before_its_first_uncertain_token(policy, threshold):
+    from grouprl.rollouts.fork import sample_entropy_tree
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    r = sample_entropy_tree(policy, ["1+2=", "3+4="], params, [2, 2, 2], threshold=threshold,
+                            min_tokens=1, group_ids=[0, 1], seed=4)  # fmt: skip
+    with torch.no_grad():
+        out = policy.log_probs(r.actions, temperature=1.0, with_entropy=True)
+    assert torch.allclose(out.logp[r.mask], r.engine_logp[r.mask], atol=1e-4)
+    ent, seg = out.entropy, r.tree_segment  # [16, T]
+    for i in range(16):
+        n = int(r.actions.completion_mask[i].sum())
+        depths = seg[i, :n].tolist()
+        for d in sorted(set(depths)):
+            where = [t for t in range(n) if depths[t] == d]
+            start, end = where[0], where[-1] + 1
+            followed = end < n  # a deeper segment starts at `end`: the cut token
+            if followed:
+                assert float(ent[i, end]) > threshold and end - start >= 1
+            if d < 3:  # a branching depth: no earlier token of its segment (past min_tokens)
+                # was over the threshold (the last depth runs to the end, uncut)
+                assert all(float(ent[i, t]) <= threshold for t in range(start + 1, end))
+    per_node = {}
+    for i in range(16):
+        for d in (1, 2, 3):
+            node = int(r.tree_path[i, d])
+            if node >= 0:
+                per_node[node] = int((seg[i] == d).sum())
+    assert int(r.generated.sum()) == sum(per_node.values())  # every sampled token kept once
+
+
+def test_entropy_tree_config_trains(tmp_path, tiny_model_dir):
+    tree = "rollout.tree={type: entropy, branching: [2, 2], threshold: 5.0}"
+    train(make_cfg(tmp_path, tiny_model_dir, tree, "algorithm.preset=treerpo",
+                   "rollout.seeding=per_sample"))  # fmt: skip
+    assert len(train_rows(tmp_path / "run")) == 2

@@ -78,12 +78,13 @@ class AlgorithmConfig(Section):
     engine_correction_min: float = Field(0.0, ge=0, description="Lower IS-weight threshold.")
     dynamic_sampling: Literal["off", "zero_variance"] = Field("off", description="DAPO filter.")
     max_sampling_rounds: int = Field(3, ge=1, description="Generation rounds per step at most.")
-    tree_advantage: Literal["leaf_group", "segment", "treerpo", "tempo", "tree_grpo", "treerl"] = (
-        Field(
-            "leaf_group",
-            description="With rollout.tree: per-token advantages from the tree (objectives/tree.py); "
-            "leaf_group: `advantage` over the leaves as a flat group.",
-        )
+    tree_advantage: Literal[
+        "leaf_group", "segment", "treerpo", "tempo", "tree_grpo", "treerl", "branch_grpo"
+    ] = Field(
+        "leaf_group",
+        description="With rollout.tree: per-token (per-step for images) advantages from the tree "
+        "(objectives/tree.py); leaf_group: `advantage` over the leaves as a flat group; "
+        "branch_grpo: node values standardised per depth (BranchGRPO).",
     )
     tree_scales: Literal["none", "shared_segment"] = Field(
         "none",

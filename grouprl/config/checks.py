@@ -169,12 +169,37 @@ def check_tree(cfg: Config) -> None:
             f"rollout.tree.branching={t.branching} gives {t.leaves} leaves per group, "
             f"rollout.group_size={r.group_size}: set group_size to the product of branching"
         )
-    if cfg.workload.type == "agent" and cfg.agent is not None:
+    if cfg.workload.type == "images":  # branch points are denoising steps (policies/flow/fork.py)
+        from grouprl.policies.flow.fork import check_step_tree
+
+        if t.type != "fixed":
+            raise ValueError(
+                f"rollout.tree type {t.type!r} branches at uncertain tokens (text); a flow tree "
+                "branches at fixed denoising steps: use type fixed"
+            )
+        steps = cfg.diffusion.rollout_steps
+        check_step_tree(t.branching, t.offsets(steps), steps)
+        if cfg.diffusion.objective.type != "policy_gradient":
+            raise ValueError(
+                f"rollout.tree with diffusion.objective {cfg.diffusion.objective.type!r}: a tree "
+                "gives per-step advantages to step log-probs; use objective policy_gradient"
+            )
+    elif cfg.workload.type == "agent" and cfg.agent is not None:
+        if t.type != "fixed":
+            raise ValueError(
+                f"rollout.tree type {t.type!r} branches at uncertain tokens (text); an agent tree "
+                "branches at turn boundaries: use type fixed"
+            )
         check_agent_tree(cfg)
     else:
         from grouprl.rollouts.fork import check_tree as check_shape
 
-        check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+        if t.type == "fixed":
+            check_shape(t.branching, t.offsets(r.max_new_tokens), r.max_new_tokens)
+    if cfg.workload.type != "images" and getattr(t, "prune_fraction", 0) > 0:
+        raise ValueError(
+            "rollout.tree.prune_fraction is implemented for images (BranchGRPO); set it to 0"
+        )
     if r.budget.type == "allocate":
         raise ValueError(
             "rollout.tree with rollout.budget allocate: a tree's group size is fixed by its "

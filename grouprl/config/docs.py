@@ -9,6 +9,8 @@ comments:
     <!-- options-overview -->  ...  <!-- /options -->     one row per section
     <!-- options:SECTION -->    ...  <!-- /options -->     every field of SECTION (dotted: rollout.vllm)
     <!-- options-rest -->      ...  <!-- /options -->     a collapsed table per other section
+A block may also name the own section of a registered workload that is not a field of Config
+(`<!-- options:gateway -->`): its table comes from that workload's settings model.
 
 `python -m grouprl.config.docs --write README.md` rewrites those blocks; `--check README.md` exits
 1 when they differ from the models (tests/test_config_docs.py runs the same comparison).
@@ -306,9 +308,10 @@ def _header(row: Option) -> str:
 
 def show_text(section: str | None = None, width: int = 100) -> str:
     """`grouprl config show [SECTION]`: one header line per field (key: type = default), its
-    description indented under it."""
+    description indented under it. SECTION may be a registered workload's own section (gateway)."""
     out = []
-    for row in select(section):
+    outside = workload_section_model(section.strip().rstrip(".")) if section else None
+    for row in select(section, outside):
         out.append(_header(row))
         if row.description:
             out += textwrap.wrap(
@@ -387,8 +390,26 @@ def rest(skip: set[str], model: type[BaseModel] | None = None) -> str:
     return "".join(out)
 
 
+def workload_section_model(section: str) -> type[BaseModel] | None:
+    """A model whose one field is `section`, when `section` is the own section of a registered
+    workload that is not a field of Config (`gateway:`), so its table renders like the others;
+    None otherwise."""
+    from pydantic import create_model
+
+    from grouprl.config.workload import registered_workloads
+    from grouprl.config.workload import section_name as workload_section
+
+    if section in config_model().model_fields:
+        return None
+    for name, cls in registered_workloads().items():
+        if workload_section(name) == section and cls.settings is not None:
+            return create_model(f"{name}_section", **{section: (cls.settings, ...)})
+    return None
+
+
 def render(text: str, model: type[BaseModel] | None = None) -> str:
-    """`text` with every options block regenerated from the models."""
+    """`text` with every options block regenerated from the models (a block naming a registered
+    workload's own section, as options:gateway, from that workload's settings)."""
     own = {m.group("section") for m in _BLOCK.finditer(text) if m.group("section")}
 
     def block(m: re.Match) -> str:
@@ -397,7 +418,9 @@ def render(text: str, model: type[BaseModel] | None = None) -> str:
         elif m.group("kind") == "rest":
             body = rest(own, model)
         else:
-            body = table(m.group("section"), model)
+            section = m.group("section")
+            outside = workload_section_model(section) if model is None else None
+            body = table(section, outside or model)
         return m.group(1) + body + m.group(5)
 
     return _BLOCK.sub(block, text)

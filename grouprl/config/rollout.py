@@ -78,8 +78,9 @@ class RolloutConfig(Section):
     tree: TreeConfig = Field(
         default_factory=NoTree,
         description="Sample each group as a tree: {type: fixed, branching: [b1, ...], branch_at: "
-        "[t1, ...]} forks every node into b children at the given completion offsets; the "
-        "group size is the product of branching (grouprl/rollouts/fork.py).",
+        "[t1, ...]} forks every node into b children at the given completion offsets (images: "
+        "denoising step indices, grouprl/policies/flow/fork.py); the group size is the product "
+        "of branching (grouprl/rollouts/fork.py).",
     )
     hooks: list[HookConfig] = Field(
         default_factory=list,

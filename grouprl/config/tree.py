@@ -5,7 +5,10 @@ fixed  branching [b_1, ..., b_d] children per node at each depth, branch_at [t_1
        t_{d-1}] the completion offsets (tokens) where depth k + 1 starts; G = b_1 * ... * b_d
        leaves (grouprl/rollouts/fork.py). For the agent workload the tree's nodes are turns:
        branch_at counts TURNS (before turn t_k every episode forks; default agent.max_turns in d
-       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py)
+       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py). For an image /
+       video policy (workload images) branch_at and segment_tokens count DENOISING STEPS (0-based
+       step index where depth k + 1 starts, of diffusion.rollout_steps; None: the steps split
+       into d equal windows): grouprl/policies/flow/fork.py
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ class FixedTree(Section):
         description="Instead of branch_at: every depth but the last is this many tokens "
         "(TreeRPO's L_step), i.e. branch_at = [L, 2L, ...]. Not for the agent workload "
         "(its trees branch at turns).",
+    )
+
+    prune_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Images (BranchGRPO pruning): the floor(fraction * G) lowest-reward leaves of "
+        "each tree are masked out of the loss (no backward); sampling is unchanged.",
     )
 
     @model_validator(mode="before")
@@ -80,4 +91,27 @@ class FixedTree(Section):
         return [step * k for k in range(1, len(self.branching))]
 
 
-TreeConfig = Annotated[NoTree | FixedTree, Field(discriminator="type")]
+class EntropyTree(Section):
+    """Branch before high-entropy tokens (text; grouprl/rollouts/fork.py sample_entropy_tree)."""
+
+    type: Literal["entropy"] = Field("entropy", description="Branch at uncertain tokens.")
+    branching: list[int] = Field(
+        description="Children per node at each depth; their product is the group size."
+    )
+    threshold: float = Field(
+        1.0, gt=0, description="Next-token entropy (nats) above which a segment ends."
+    )
+    min_tokens: int = Field(1, ge=0, description="Tokens a segment has at least before it may end.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> EntropyTree:
+        if not self.branching or any(b < 1 for b in self.branching):
+            raise ValueError(f"rollout.tree.branching={self.branching}: one count >= 1 per depth")
+        return self
+
+    @property
+    def leaves(self) -> int:
+        return math.prod(self.branching)
+
+
+TreeConfig = Annotated[NoTree | FixedTree | EntropyTree, Field(discriminator="type")]

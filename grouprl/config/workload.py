@@ -28,7 +28,8 @@ class WorkloadConfig(Section):
     type: str = Field(
         "text",
         description="The workload (grouprl.workloads.WORKLOADS): text (single completions), agent "
-        "(multi-turn episodes; section agent:), images (diffusion / flow policies; section "
+        "(multi-turn episodes; section agent:), gateway (agent programs through an OpenAI-compatible "
+        "server; section gateway:), images (diffusion / flow policies; section "
         "diffusion:), or a workload registered by the user (section named after it).",
     )
 

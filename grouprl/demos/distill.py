@@ -10,7 +10,8 @@ warm-up starting point, with the `opd` preset (reverse KL on the student's sampl
    algorithm.distill.teacher=<the teacher folder>; then held-out accuracy of student before /
    after and of the teacher.
 
-    python -m grouprl.demos.distill [--steps N] [--teacher-steps N] [dotted.key=value ...]
+    python -m grouprl.demos.distill [--steps N] [--teacher-steps N] [--estimator k1|k3|full]
+                                    [dotted.key=value ...]   (overrides: both runs)
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-target", type=float, default=0.3)
     parser.add_argument("--teacher-steps", type=int, default=None, help="GRPO steps (teacher)")
     parser.add_argument("--steps", type=int, default=200, help="distillation steps (student)")
+    parser.add_argument(
+        "--estimator", choices=["k1", "k3", "full"], default="k1",
+        help="algorithm.distill.estimator of the student's run (the opd preset's: k1)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (both runs)")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -82,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     student = [
         *args.overrides, f"model.name_or_path={warm_dir}", f"train.steps={args.steps}",
-        "run.name=arithmetic-distill", "run.overwrite=true", "algorithm.preset=opd",
-        f"algorithm.distill.teacher={teacher}", f"eval.every={max(args.steps // 4, 1)}",
+        f"run.name=arithmetic-distill-{args.estimator}", "run.overwrite=true", "algorithm.preset=opd",
+        f"algorithm.distill.teacher={teacher}", f"algorithm.distill.estimator={args.estimator}",
+        f"eval.every={max(args.steps // 4, 1)}",
         f"checkpoint.every={max(args.steps // 4, 1)}",
     ]  # fmt: skip
     t0 = time.time()

@@ -60,6 +60,10 @@ Per-slot modes (`TREE_MODES`, `tree_token_advantages`); A^G_i is the plain GRPO 
               "tree" that every tree-search script uses): intra = GRPO over the rows of the tree
               (group_ids), inter = GRPO over the rows of every tree of the same prompt
               (`prompt_ids`, Long[N]; default group_ids, which makes inter = intra, i.e. 2 A^G).
+  branch_grpo a_depth(n) on every slot of node n: V(n) standardised over the nodes of n's tree
+              at n's depth (BranchGRPO, arXiv 2509.06040: reward fusion = V, the mean of the
+              leaf rewards below n [unconfirmed: uniform weights; the paper's fusion weights
+              could not be read], then a depth-wise advantage; `depthwise_advantages`).
   treerl      (GA(n) + LA(n)) / sqrt(L(n)) on every slot of node n, GA = V(n) - V(root(n)),
               LA = V(n) - V(parent(n)), L(n) = number of valid leaves under n; roots 0 (TreeRL,
               arXiv 2506.11902: the paper's step reward, as a public verl port computes it).
@@ -114,7 +118,9 @@ from grouprl.objectives.advantages import compute_advantages
 from grouprl.objectives.group_stats import Groups
 from grouprl.objectives.registry import Registry
 
-TreeMode = Literal["leaf_group", "segment", "treerpo", "tempo", "tree_grpo", "treerl"]
+TreeMode = Literal[
+    "leaf_group", "segment", "treerpo", "tempo", "tree_grpo", "treerl", "branch_grpo"
+]
 SegmentKind = Literal["diff", "sibling_norm"]
 
 SEGMENT_ADVANTAGES = Registry("segment advantage")
@@ -439,6 +445,32 @@ def mode_treerl(tree: _Tree) -> Tensor:
     r = (ga + la) / tree.leaves.clamp(min=1).sqrt()  # [M]
     keep = (tree.parent >= 0) & ~torch.isnan(r)  # [M]
     return tree.per_node(torch.where(keep, r, torch.zeros_like(r)))  # [N, T]
+
+
+@TREE_MODES.register("branch_grpo")
+def mode_branch_grpo(tree: _Tree) -> Tensor:
+    return tree.per_node(depthwise_advantages(tree.parent, tree.values, eps=tree.eps))  # [N, T]
+
+
+def depthwise_advantages(parent: Tensor, values: Tensor, *, eps: float) -> Tensor:
+    """BranchGRPO's depth-wise advantage: a(n) = (V(n) - mean_D V) / (std_D V + eps) over D = the
+    valued nodes of n's tree at n's depth (unbiased std); roots 0, degenerate depth groups
+    (< 2 valued nodes or all equal) exactly 0, as compute_advantages "grpo"."""
+    m = parent.numel()
+    depth = torch.zeros(m, dtype=torch.long)  # [M]
+    root = torch.arange(m)  # [M]
+    par = parent.cpu()
+    for i in range(m):  # topological order: a parent comes first
+        if par[i] >= 0:
+            depth[i], root[i] = depth[par[i]] + 1, root[par[i]]
+    valid = (par >= 0) & ~torch.isnan(values.cpu())  # [M]
+    out = torch.zeros(m, dtype=values.dtype)  # [M]
+    if bool(valid.any()):
+        key = root * (int(depth.max()) + 1) + depth  # [M] one id per (tree, depth)
+        out[valid] = compute_advantages("grpo", values.cpu()[valid], key[valid], eps=eps).to(
+            values.dtype
+        )  # [V]
+    return out.to(values.device)
 
 
 def tree_token_advantages(

@@ -13,6 +13,21 @@ sample of the policy (the copies of a finished path stand for the probability ma
 branches), so the leaf-group statistics stay unbiased; the copies are correlated, which is what a
 tree is.
 
+Entropy-triggered branch points (`sample_entropy_tree`, rollout.tree type entropy; the
+high-entropy forking of TreePO arXiv 2508.17445 and ARPO arXiv 2507.19849, where uncertain tokens
+decide where to branch): a node's child samples its continuation to the end; the policy scores
+that continuation's token entropies (one forward), and the child's segment ends before its first
+token, at least `min_tokens` into the segment, whose next-token entropy exceeds `threshold`
+(nats). The child's b grandchildren resample from there, except the first, which keeps the
+already sampled rest, so no sampled token is thrown away; a continuation with no such token ends
+the path (it is copied into the branches below, as a finished one). Deviations: TreePO forks at
+fixed-length segments and uses probability / quality heuristics to allocate branches; ARPO
+branches after tool calls by the entropy change; here one threshold on the token entropy.
+
+Prefix compute: the b children of a node are consecutive identical contexts (prompt + the node's
+tokens), which the fast engine prefills once and expands, and vLLM serves from its prefix cache;
+a node's prefix is prefilled again at the next depth (the KV cache is not kept across depths).
+
 What the Rollout records (typed fields, every one indexed by row so micro-batches select them):
   tree_path     Long[N, D+1]  the node ids along the row's path: [root, depth-1 node, ...], -1
                               past a finished path's depth; ids are unique within the batch
@@ -49,6 +64,9 @@ class _Node:
     path: list[int] = field(default_factory=list)  # node ids from the root
     done: bool = False  # ended (EOS / stop) before the last branch point
     truncated: bool = False  # the last segment ran out of tokens
+    # entropy trees: the already sampled continuation past the node's end (ids, log-probs,
+    # whether it stopped), which the node's first child takes over
+    tail: tuple[list[int], list[float], bool] | None = None
 
 
 def _seed_id(node: _Node, group_ids: list[int]) -> int:
@@ -176,3 +194,119 @@ def _leaf_rollout(policy: Any, prompts: list[Any], group_ids: list[int], leaves:
             "completion_ids": [list(n.ids) for n in leaves],
         },
     )
+
+
+def sample_entropy_tree(
+    policy: Any,
+    prompts: list[Any],
+    params: Any,
+    branching: list[int],
+    *,
+    threshold: float,
+    min_tokens: int,
+    group_ids: list[int],
+    seed: int | None = None,
+) -> Rollout:
+    """One tree per prompt whose branch points are high-entropy tokens (module docstring):
+    branching [b_1, ..., b_d] children per node at each depth; a child's segment ends before the
+    first token at least min_tokens in whose next-token entropy exceeds threshold (nats)."""
+    if not branching or any(b < 1 for b in branching):
+        raise ValueError(f"rollout.tree.branching={branching}: one count >= 1 per depth")
+    counters = [1] * len(prompts)
+    frontier = [_Node(row=i, path=[int(g) * NODES_PER_TREE]) for i, g in enumerate(group_ids)]
+    for level, b in enumerate(branching):
+        last = level == len(branching) - 1
+        children: list[_Node] = []
+        fresh: list[tuple[_Node, _Node]] = []  # (parent, child) pairs that sample a new tail
+        for node in frontier:
+            if node.done:
+                children += [replace(node) for _ in range(b)]
+                continue
+            for k in range(b):
+                counters[node.row] += 1
+                child = replace(node, path=node.path + [node.path[0] + counters[node.row] - 1],
+                                tail=node.tail if k == 0 else None)  # fmt: skip
+                children.append(child)
+                if child.tail is None:
+                    fresh.append((node, child))
+        _sample_tails(policy, prompts, params, fresh, group_ids, seed)
+        live = [c for c in children if not c.done]
+        cuts = [None] * len(live) if last else _entropy_cuts(
+            policy, prompts, params, live, threshold, min_tokens)  # fmt: skip
+        for child, cut in zip(live, cuts):
+            ids, logp, stopped = child.tail
+            n = len(ids) if cut is None else cut
+            child.ids, child.logp = child.ids + ids[:n], child.logp + logp[:n]
+            child.depth = child.depth + [level + 1] * n
+            child.tail = None if cut is None else (ids[n:], logp[n:], stopped)
+            child.done = cut is None and not last  # no branch point: the path ends here
+            child.truncated = cut is None and not stopped
+        frontier = children
+    return _leaf_rollout(policy, prompts, group_ids, frontier, len(branching))
+
+
+def _sample_tails(policy: Any, prompts: list[Any], params: Any, pairs: list, group_ids: list[int],
+                  seed: int | None) -> None:  # fmt: skip
+    """Each child of `pairs` samples its continuation from its parent's end to max_new_tokens,
+    in one engine call per distinct remaining length (the b - 1 fresh children of a node are
+    consecutive identical contexts)."""
+    by_left: dict[int, list[tuple[_Node, _Node]]] = {}
+    for parent, child in pairs:
+        by_left.setdefault(params.max_new_tokens - len(parent.ids), []).append((parent, child))
+    for left, group in by_left.items():
+        if left < 1:  # the parent used the whole budget: an empty, truncated continuation
+            for _, child in group:
+                child.tail = ([], [], False)
+            continue
+        parents = list(dict.fromkeys(id(p) for p, _ in group))
+        first = {id(p): p for p, _ in group}
+        sizes = [sum(1 for p, _ in group if id(p) == pid) for pid in parents]
+        seeded = {} if seed is None else {"seed": seed}
+        out = policy.sample(
+            [prompts[first[pid].row] for pid in parents], sizes,
+            replace(params, max_new_tokens=left),
+            group_ids=[_seed_id(first[pid], group_ids) for pid in parents],
+            response_prefixes=[first[pid].ids for pid in parents], **seeded,
+        )  # fmt: skip  # rows: each parent's fresh children, consecutive
+        row = 0
+        for pid, size in zip(parents, sizes):
+            own = [c for p, c in group if id(p) == pid]
+            start = len(first[pid].ids)
+            for child in own[:size]:
+                n = int(out.actions.completion_mask[row].sum()) - start
+                child.tail = (out.actions.completion_ids[row, start : start + n].tolist(),
+                              out.engine_logp[row, start : start + n].tolist(),
+                              not bool(out.actions.truncated[row]))  # fmt: skip
+                row += 1
+
+
+def _entropy_cuts(policy: Any, prompts: list[Any], params: Any, nodes: list[_Node],
+                  threshold: float, min_tokens: int) -> list[int | None]:  # fmt: skip
+    """Per node: the index in its tail of the first token, at least min_tokens in, whose
+    next-token entropy under the policy exceeds `threshold`; None where there is none."""
+    rows = [n.ids + n.tail[0] for n in nodes]
+    batch = _token_batch(policy, [prompts[n.row] for n in nodes], rows)
+    with torch.no_grad():
+        ent = policy.log_probs(batch, temperature=params.temperature, with_entropy=True).entropy
+    cuts: list[int | None] = []
+    for i, node in enumerate(nodes):
+        start, n = len(node.ids), len(node.tail[0])
+        high = [t for t in range(min_tokens, n) if float(ent[i, start + t]) > threshold]
+        cuts.append(high[0] if high else None)  # [T] entropies of the tail's positions
+    return cuts
+
+
+def _token_batch(policy: Any, prompts: list[Any], completions: list[list[int]]) -> TokenBatch:
+    """[left-padded prompt | right-padded completion] of token rows, for scoring."""
+    pad = policy.tokenizer.pad_token_id
+    enc = [torch.tensor(p) for p in policy.encode_prompts(prompts)]
+    rows = [torch.tensor(c, dtype=torch.long) for c in completions]
+    return TokenBatch(
+        prompt_ids=pad_sequence(enc, batch_first=True, padding_value=pad, padding_side="left"),
+        prompt_mask=pad_sequence([torch.ones(len(p), dtype=torch.bool) for p in enc],
+                                 batch_first=True, padding_value=0, padding_side="left"),
+        completion_ids=pad_sequence(rows, batch_first=True, padding_value=pad),  # [n, T]
+        completion_mask=pad_sequence([torch.ones(len(c), dtype=torch.bool) for c in rows],
+                                     batch_first=True, padding_value=0),
+        truncated=torch.zeros(len(rows), dtype=torch.bool),
+    )  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 from grouprl.envs.rewards import RewardFn, score_completions
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.filters import cat_rollouts
-from grouprl.rollouts.fork import sample_tree
+from grouprl.rollouts.fork import sample_entropy_tree, sample_tree
 from grouprl.rollouts.seeds import group_sizes
 from grouprl.types import Rollout
 
@@ -125,7 +125,12 @@ def _sample(
     if response_prefixes is not None:  # policies without forced starts never see the key
         seeded["response_prefixes"] = response_prefixes
     same = len(set(sizes)) == 1  # one int for equal groups: any Policy.sample takes it
-    if tree is not None and not greedy:  # each group a tree, its leaves the rows
+    if tree is not None and not greedy and tree.type == "entropy":  # branch at uncertain tokens
+        rollout = sample_entropy_tree(
+            policy, prompts, params, tree.branching, threshold=tree.threshold,
+            min_tokens=tree.min_tokens, group_ids=group_ids.tolist(), seed=seed,
+        )  # fmt: skip
+    elif tree is not None and not greedy:  # each group a tree, its leaves the rows
         rollout = sample_tree(
             policy, prompts, params, tree.branching, tree.offsets(params.max_new_tokens),
             group_ids=group_ids.tolist(), seed=seed,

@@ -1,6 +1,6 @@
 """Workloads: the seam between the training loop and a modality (base.py).
 
-Importing this package registers the built-in workloads (text, agent, images, vlm); a workload of
+Importing this package registers the built-in workloads (text, agent, gateway, images, vlm); a workload of
 one's own registers with `grouprl.workloads.base.register` from any module.
 """
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grouprl.workloads import agent, images, text, vision  # noqa: F401  (they register themselves)
+from grouprl.workloads import agent, gateway, images, text, vision  # noqa: F401  (they register themselves)
 from grouprl.workloads.base import (
     WORKLOADS,
     Capabilities,

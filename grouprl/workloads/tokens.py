@@ -102,7 +102,8 @@ def prepare(
 
 
 def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
-    """lambda-GRPO scales times EGSW weights, Float[N, T]; None when neither is on."""
+    """The tree's shared-segment scales and lambda-GRPO's prefix scales times EGSW weights,
+    Float[N, T]; None when none is on."""
     scales = None
     if rollout.tree_path is not None and a.tree_scales == "shared_segment":
         _, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)

@@ -31,6 +31,16 @@ Values, from peers/diffusion.md (read from each project's code and configs) and 
                   A_max 5, KL 1e-4 on velocities, old weights decay_type 1, group 24, batch std,
                   lr 3e-4. Deviations: Euler ODE instead of the dpm2 solver; LoRA r 32 alpha 64 is
                   Flow-GRPO's (NFT builds on its code) [inferred].
+  branch_grpo     BranchGRPO (arXiv 2509.06040; builds on DanceGRPO, whose settings it keeps here: dance_sde
+                  eta 0.3, 16 steps, shift 3, shared initial noise per group, clip 1e-4, advantages
+                  +-5, no KL): each group a binary tree over denoising steps, split at steps 0, 3,
+                  6, 9 (branching [2, 2, 2, 2] with the group's shared noise: the two depth-1 nodes
+                  start from one noise, so the first split is at step 0), G = 16 leaves; reward
+                  fusion + depth-wise advantage = algorithm.tree_advantage branch_grpo (node value
+                  = mean leaf reward, standardised over the tree's nodes of that depth,
+                  objectives/tree.py). [unconfirmed: the split steps, the branching factor, the
+                  uniform fusion weights, training all but the last step, no pruning by default
+                  (rollout.tree.prune_fraction): the paper's exact values could not be read here.]
   awm             AWM GenEval: ODE rollouts, 14 steps, CFG-free, K = 6 timesteps stratified over
                   [1, floor(0.9 * 14)], ghuber weighting p 0.25, ratio clip 1, advantages clipped to +-5
                   and scaled by 1/5, beta 0.001, beta_ema 1 (needs EMA weights), group 24, batch std,
@@ -214,6 +224,27 @@ FLOW_PRESETS: list[dict] = [
             },
             "diffusion.rollout_steps": 14,
             "rollout.group_size": 24,
+        },  # fmt: skip
+    },
+    {
+        "name": "branch_grpo",
+        "arxiv": "2509.06040",
+        "summary": "DanceGRPO sampled as a tree over denoising steps, depth-wise advantages per window.",
+        "settings": {
+            **_DANCE_ALGO,
+            "tree_advantage": "branch_grpo",
+            "diffusion.objective": {"type": "policy_gradient"},
+            "diffusion.sampler": "dance_sde",
+            "diffusion.eta": 0.3,
+            "diffusion.rollout_steps": 16,
+            "diffusion.shift": 3.0,
+            "diffusion.train_steps": {"type": "all_but_last"},
+            "diffusion.shared_noise": "group",
+            "diffusion.adv_clip_max": 5.0,
+            "diffusion.guidance_scale": 1.0,
+            **_FLOW_LORA,
+            "rollout.group_size": 16,
+            "rollout.tree": {"type": "fixed", "branching": [2, 2, 2, 2], "branch_at": [3, 6, 9]},
         },  # fmt: skip
     },
 ]

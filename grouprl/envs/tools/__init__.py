@@ -30,6 +30,7 @@ from grouprl.envs.tools.schemas import (
     load_tools,
     template_supports_tools,
     tool_schema,
+    tools_listing,
     tools_system_prompt,
     valid_utf8,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "text_outside_calls",
     "tool_messages",
     "tool_schema",
+    "tools_listing",
     "tools_system_prompt",
     "valid_utf8",
 ]

@@ -245,11 +245,16 @@ def tools_system_prompt(toolset: ToolSet, tokenizer: Any = None, fmt: str = "her
     `tools=toolset.schemas()` to `apply_chat_template`); otherwise a plain-text description of the
     tools and of the call format `fmt` (tool_formats.TOOL_FORMATS) that the rollout parses.
     """
+    return tools_listing(toolset.schemas(), tokenizer, fmt)
+
+
+def tools_listing(schemas: list[dict], tokenizer: Any = None, fmt: str = "hermes") -> str:
+    """`tools_system_prompt` for OpenAI-style schemas ({type: function, function: {...}})."""
     from grouprl.envs.tools.formats import render_tool_call
 
     if template_supports_tools(tokenizer):
         return ""
-    listing = "\n".join(json.dumps(s["function"]) for s in toolset.schemas())
+    listing = "\n".join(json.dumps(s["function"]) for s in schemas)
     example = render_tool_call("<tool name>", {"<argument>": "<value>"}, fmt)
     return (
         "You can use the following tools (JSON schemas, one per line):\n"

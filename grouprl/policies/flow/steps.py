@@ -52,27 +52,31 @@ def run_chain(
     generator: torch.Generator | None,
     chunk: int,
     store_means: bool,
+    first: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """K denoising steps from x0 [N, *latent] (rows in chunks of `chunk`, each chunk run through
-    every step). Returns latents [N, K+1, *latent], logp [N, K] (0 where not trained) and the step
-    means [N, K, *latent] when store_means."""
+    """W denoising steps first .. first + W - 1 of the schedule (W = train.shape[1]; the whole
+    chain when first = 0 and W = K) from x0 [N, *latent] (rows in chunks of `chunk`, each chunk run
+    through every step). stochastic / train: [N, W], the window's columns. Returns latents
+    [N, W+1, *latent], logp [N, W] (0 where not trained) and the step means [N, W, *latent] when
+    store_means. A window is one segment of a tree rollout (policies/flow/fork.py)."""
     n, k_steps = train.shape
-    latents = x0.new_zeros(n, k_steps + 1, *x0.shape[1:])  # [N, K+1, *latent]
+    latents = x0.new_zeros(n, k_steps + 1, *x0.shape[1:])  # [N, W+1, *latent]
     latents[:, 0] = x0
-    logp = x0.new_zeros(n, k_steps)  # [N, K]
+    logp = x0.new_zeros(n, k_steps)  # [N, W]
     means = x0.new_zeros(n, k_steps, *x0.shape[1:]) if store_means else None
     for lo in range(0, n, chunk):
         rows = slice(lo, min(lo + chunk, n))
         sub_cond, sub_cols = cond_rows(cond, rows), {k: v[rows] for k, v in cols.items()}
         x = latents[rows, 0]  # [B, *latent]
-        for k in range(k_steps):
+        for j in range(k_steps):
+            k = first + j  # the schedule's step index
             pred = predict(x, sub_cols, k, sub_cond, gscale[rows])  # [B, *latent]
-            out = step(sub_cols, k, x, pred, stochastic[rows, k], generator=generator)
+            out = step(sub_cols, k, x, pred, stochastic[rows, j], generator=generator)
             x = out.prev_sample  # [B, *latent]
-            latents[rows, k + 1] = x
-            logp[rows, k] = torch.where(train[rows, k], out.log_prob, 0.0)  # [B]
+            latents[rows, j + 1] = x
+            logp[rows, j] = torch.where(train[rows, j], out.log_prob, 0.0)  # [B]
             if means is not None:
-                means[rows, k] = out.mean
+                means[rows, j] = out.mean
     return latents, logp, means
 
 

@@ -28,7 +28,7 @@ class ImagesWorkload:
     """See the module docstring."""
 
     name: ClassVar[str] = "images"
-    capabilities: ClassVar[Capabilities] = Capabilities(curriculum=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(curriculum=True, tree_rollouts=True)
     settings: ClassVar[type] = DiffusionConfig
 
     def __init__(self, parts: Parts) -> None:  # one process: parts.dist is SINGLE

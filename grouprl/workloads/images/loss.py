@@ -3,6 +3,12 @@
 prepare (once per rollout, no grad):
 - advantages [N] from the shared estimators (objectives.compute_advantages), clipped to
   +-diffusion.adv_clip_max (Flow-GRPO clips them in the loss; clipping once here is the same);
+  with rollout.tree (policies/flow/fork.py) and algorithm.tree_advantage other than leaf_group,
+  per-step advantages [N, K] from the tree (objectives/tree.py over the K step slots, e.g.
+  BranchGRPO's depth-wise advantage), algorithm.tree_scales "shared_segment" as token_scales, and
+  rollout.tree.prune_fraction drops the lowest-reward rows of each tree from the loss (their step
+  slots masked and the rows left out of the loss's forward / backward: BranchGRPO's pruning cuts
+  backward compute, sampling is unchanged; objectives/tree_prune.py);
 - policy-gradient objectives: old log-probs and means recomputed when the batch is used more than
   once (epochs / minibatches > 1); the reference's per-step log-probs and means (KL) computed once
   for the whole batch, so every micro-batch reads them instead of running the reference again;
@@ -40,8 +46,11 @@ from grouprl.objectives.flow.support import (
     likelihood_free_options,
     stratified_timestep_indices,
 )
+from grouprl.objectives.tree import shared_segment_scales, tree_from_paths, tree_token_advantages
+from grouprl.objectives.tree_prune import prune_rows
 from grouprl.policies.flow.gaussian import ratio_diagnostics
 from grouprl.rollouts.batching import recompute_old
+from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.reward_metrics import reward_metrics
 from grouprl.types import LossOutput, PolicyOutput, Rollout
 from grouprl.workloads.images.sampling import likelihood_free, needs_old_weights
@@ -93,12 +102,31 @@ def prepare(
                 rollout.rewards["kl_penalty"] = -a.kl_coef * per_sample  # [N]
                 weights = {**weights, "kl_penalty": 1.0}
                 metrics["kl"] = float(per_sample.mean())
-    adv = compute_advantages(
-        a.advantage, rollout.rewards, rollout.group_ids,
-        weights={k: weights[k] for k in rollout.rewards},
-        reward_aggregation=a.reward_aggregation, lengths=rollout.mask.sum(1).float(),
-        scale=a.scale, eps=a.adv_eps,
-    )  # fmt: skip  # [N]
+    tree = rollout.tree_path is not None  # rollout.tree: per-step advantages from the tree
+    if tree and a.tree_advantage != "leaf_group":
+        parent, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+        adv = tree_token_advantages(
+            parent, node_of_row.to(rollout.mask.device), rollout.mask,
+            combined_reward(rollout.rewards, weights).to(rollout.mask.device),
+            rollout.group_ids.to(rollout.mask.device), mode=a.tree_advantage, eps=a.adv_eps,
+        )  # fmt: skip  # [N, K]
+    else:
+        adv = compute_advantages(
+            a.advantage, rollout.rewards, rollout.group_ids,
+            weights={k: weights[k] for k in rollout.rewards},
+            reward_aggregation=a.reward_aggregation, lengths=rollout.mask.sum(1).float(),
+            scale=a.scale, eps=a.adv_eps,
+        )  # fmt: skip  # [N]
+    if tree and a.tree_scales == "shared_segment":
+        _, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+        rollout.token_scales = shared_segment_scales(
+            node_of_row.to(rollout.mask.device), rollout.mask
+        )  # [N, K]
+    fraction = getattr(cfg.rollout.tree, "prune_fraction", 0.0)
+    if tree and fraction > 0:  # BranchGRPO pruning: no gradient through the lowest-value rows
+        pruned = prune_rows(combined_reward(rollout.rewards, weights), rollout.group_ids, fraction)
+        rollout.mask = rollout.mask & ~pruned.to(rollout.mask.device)[:, None]  # [N, K]
+        metrics["tree/pruned_frac"] = float(pruned.float().mean())
     if d.adv_clip_max is not None:
         metrics["advantage/clipped_frac"] = float((adv.abs() > d.adv_clip_max).float().mean())
         adv = adv.clamp(-d.adv_clip_max, d.adv_clip_max)  # [N]
@@ -119,6 +147,20 @@ def micro_loss(
 
 
 def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput, Tensor]:
+    """Rows with no trained slot (pruned by rollout.tree.prune_fraction) are left out of the
+    forward and backward pass: they add exactly 0 to the loss, whose normalisers come from the
+    update's global counts. Returns the old log-probs of every row of `sub` [n, K]."""
+    live = sub.mask.any(1)  # [n]
+    if 0 < int(live.sum()) < len(live):
+        rows = torch.nonzero(live).flatten()  # [n']
+        res, old_live = _pg_rows(cfg, policy, sub.select(rows), counts, single_pass)
+        old = sub.old_logp.clone()  # [n, K]
+        old[rows] = old_live
+        return res, old
+    return _pg_rows(cfg, policy, sub, counts, single_pass)
+
+
+def _pg_rows(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput, Tensor]:
     a, d = cfg.algorithm, cfg.diffusion
     out = policy.log_probs(sub.actions)  # logp [n, K], extras mean / std / kl_var
     old = out.logp.detach() if single_pass else sub.old_logp  # [n, K]
@@ -131,7 +173,7 @@ def _policy_gradient(cfg, policy, sub, counts, single_pass) -> tuple[LossOutput,
     else:
         res = total_loss(
             out, old_logp=old, advantages=sub.advantages, mask=sub.mask, algo=a, counts=counts,
-            kl_out=kl_out, group_ids=sub.group_ids,
+            kl_out=kl_out, group_ids=sub.group_ids, token_scales=sub.token_scales,
         )  # fmt: skip
     eps = getattr(a.surrogate, "eps_high", math.inf)  # a surrogate without a clip: none clipped
     res.metrics.update(ratio_diagnostics(out.logp, old, sub.mask, clip_eps=eps))
@@ -150,8 +192,9 @@ def _guard_loss(cfg, policy, sub, out, old, kl_out, counts, single_pass) -> Loss
     std = torch.where(valid, out.extras["std"], torch.ones_like(dt))  # [n, K]
     dt = torch.where(valid, dt, torch.ones_like(dt))  # [n, K]
     clip_max = d.adv_clip_max if d.adv_clip_max is not None else math.inf
+    adv = sub.advantages if sub.advantages.dim() == 2 else sub.advantages[:, None]  # [n, K|1]
     guard = guard_step_loss(
-        out.logp, old, out.extras["mean"], old_mean, std, sub.advantages[:, None], dt,
+        out.logp, old, out.extras["mean"], old_mean, std, adv, dt,
         eps=a.surrogate.eps_high, adv_clip_max=clip_max, mask=valid,
     )  # fmt: skip
     share = valid.sum() / max(counts["num_tokens"], 1)  # this micro-batch's part of the update

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from grouprl.envs.rewards import score_completions
 from grouprl.objectives.flow.support import stratified_timestep_indices
+from grouprl.policies.flow.fork import sample_tree_groups
 from grouprl.policies.flow.weights import OLD
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.reward_metrics import nanmean_or_nan
@@ -137,7 +138,9 @@ def collect(
 
     Rollout: actions FlowBatch, old_logp / mask [N, K] (likelihood-free: mask = the candidate
     training timesteps), rewards name -> Float[N], examples (one per sample; also info prompt /
-    example for the logs)."""
+    example for the logs), generated [N] the denoising steps each row ran (K; a tree's shared
+    windows count once: rollout/sampled_actions). rollout.tree (fixed): each group sampled as a
+    tree over denoising steps, branch_at in steps (policies/flow/fork.py)."""
     d, g = cfg.diffusion, cfg.rollout.group_size
     cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
     group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
@@ -148,11 +151,18 @@ def collect(
     guard = getattr(d.objective, "ratio_norm", "off") == "grpo_guard"  # policy_gradient only
     kwargs = dict(steps=d.rollout_steps, mode=mode, group_ids=group_ids,
                   optimizer_step=optimizer_step, store_means=guard)  # fmt: skip
-    if nft:  # DiffusionNFT samples with its old weights
+    tree = cfg.rollout.tree
+    if tree.type != "none":  # each group a tree over denoising steps (policies/flow/fork.py)
+        rollout = sample_tree_groups(policy, cond, tree.branching, tree.offsets(d.rollout_steps),
+                                     **kwargs)  # fmt: skip
+    elif nft:  # DiffusionNFT samples with its old weights
         with policy.old_weights():
             rollout = policy.sample(cond, g, **kwargs)
     else:
         rollout = policy.sample(cond, g, **kwargs)
+    if rollout.generated is None:  # flat: every image ran its K steps
+        k = rollout.actions.num_steps
+        rollout.generated = torch.full((len(rollout),), k, dtype=torch.long)  # [N]
     if likelihood_free(cfg):
         mask = lf_mask(cfg, len(rollout), rollout.actions.num_steps)  # [N, K]
         rollout.mask = mask.to(rollout.old_logp.device)

