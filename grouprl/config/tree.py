@@ -3,12 +3,12 @@
 none   G independent samples per prompt (the default)
 fixed  branching [b_1, ..., b_d] children per node at each depth, branch_at [t_1 < ... <
        t_{d-1}] the completion offsets (tokens) where depth k + 1 starts; G = b_1 * ... * b_d
-       leaves (grouprl/rollouts/fork.py). For the agent workload the tree's nodes are turns:
+       leaves (grouprl/rollouts/fork.py). For an image / video policy (workload images) branch_at
+       and segment_tokens count DENOISING STEPS (0-based step index where depth k + 1 starts, of
+       diffusion.rollout_steps; None: the steps split into d equal windows):
+       grouprl/policies/flow/fork.py. For the agent workload the tree's nodes are turns:
        branch_at counts TURNS (before turn t_k every episode forks; default agent.max_turns in d
-       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py). For an image /
-       video policy (workload images) branch_at and segment_tokens count DENOISING STEPS (0-based
-       step index where depth k + 1 starts, of diffusion.rollout_steps; None: the steps split
-       into d equal windows): grouprl/policies/flow/fork.py
+       equal parts) and segment_tokens is refused (grouprl/rollouts/agent_fork.py)
 """
 
 from __future__ import annotations
