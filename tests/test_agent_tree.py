@@ -5,6 +5,7 @@ workload and the tree_grpo preset."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from grouprl.rollouts.agent_fork import Forker, check_turn_tree
 from grouprl.rollouts.episode_record import Episode
 from grouprl.rollouts.fork import NODES_PER_TREE
 from grouprl.rollouts.multi_turn import collect_episodes
+from grouprl.rollouts.seeds import turn_seed
 from grouprl.train import train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -83,6 +85,15 @@ def test_a_tree_of_depth_one_is_the_flat_group_exactly(tiny_model_dir):
     assert torch.equal(flat.actions.completion_ids, tree.actions.completion_ids)
     assert flat.tree_path is None and tree.generated.tolist() == flat.mask.sum(1).tolist()
     assert (tree.tree_segment[tree.actions.completion_mask] == 1).all()
+    # and both are the episodes of the per-sample contract: turn 0 of episode j of group g is
+    # drawn from generator turn_seed(7, g, j, 0), whatever the batch
+    prompts = [row[m].tolist() for row, m in zip(tree.actions.prompt_ids, tree.actions.prompt_mask)]
+    alone = policy.engine.generate(
+        prompts, replace(params, max_new_tokens=6),
+        seeds=[turn_seed(7, g, j, 0) for g in range(2) for j in range(3)],
+    )  # fmt: skip
+    for i, ids in enumerate(alone.completion_ids):
+        assert tree.actions.completion_ids[i, : len(ids)].tolist() == list(ids)
 
 
 def test_siblings_share_their_prefix_and_diverge_after_it(tiny_model_dir):
@@ -99,6 +110,25 @@ def test_siblings_share_their_prefix_and_diverge_after_it(tiny_model_dir):
     assert r.generated.tolist()[0] > max(r.generated.tolist()[1:])
     logp = policy.log_probs(r.actions, with_entropy=False).logp.detach()
     torch.testing.assert_close(logp[r.mask], r.engine_logp[r.mask], atol=1e-5, rtol=0)
+
+
+def test_an_agent_tree_does_not_depend_on_the_batch_around_it(tiny_model_dir):
+    """Per-sample seeds per node: trees collected together or one group at a time (as on two
+    processes) are the same tokens, node ids and generated counts."""
+    policy = CausalLMPolicy.from_pretrained(str(tiny_model_dir))
+    kw = dict(max_turns=3, max_turn_tokens=6, seed=9, tree=([2, 2], [1]))
+    params = SamplingParams(temperature=1.0)
+    both = collect_episodes(policy, CounterEnv, [0, 1], 4, params, **kw)
+    one = collect_episodes(policy, CounterEnv, [0], 4, params, **kw)
+    two = collect_episodes(policy, CounterEnv, [1], 4, params, first_group_id=1, **kw)
+
+    def tokens(r):
+        return [row[m].tolist() for row, m in zip(r.actions.completion_ids, r.mask)]
+
+    assert tokens(both) == tokens(one) + tokens(two)
+    assert torch.equal(both.tree_path, torch.cat([one.tree_path, two.tree_path]))
+    assert both.generated.tolist() == one.generated.tolist() + two.generated.tolist()
+    assert len({str(t) for t in tokens(one)}) > 1
 
 
 def test_replay_recreates_a_slippery_frozenlake_exactly():
