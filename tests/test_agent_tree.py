@@ -235,6 +235,20 @@ def test_a_depth_one_agent_tree_trains_exactly_like_flat_grpo(tmp_path, tiny_mod
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_depth_one_tree_under_the_tree_grpo_preset_is_plain_grpo(tmp_path, tiny_model_dir):
+    """One prompt per step, so one tree per start state: no inter-tree term, and a tree of depth
+    1 is the flat group with GRPO's advantage: the preset trains bit for bit like GRPO with the
+    preset's eps (1e-6) and trajectory credit."""
+    common = ["rollout.seeding=per_sample", "rollout.group_size=4", "run.seed=5", "train.steps=2",
+              "rollout.prompts_per_step=1", "checkpoint.every=1", "agent.max_turns=3"]  # fmt: skip
+    train(make_cfg(tmp_path / "flat", tiny_model_dir, *common, "algorithm.preset=grpo",
+                   "algorithm.adv_eps=1e-6", "agent.credit=trajectory"))  # fmt: skip
+    train(make_cfg(tmp_path / "tree", tiny_model_dir, *common, "algorithm.preset=tree_grpo",
+                   "rollout.tree={type: fixed, branching: [4]}"))  # fmt: skip
+    a, b = _final_weights(tmp_path / "flat" / "run"), _final_weights(tmp_path / "tree" / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_tree_grpo_trains_on_a_real_agent_tree(tmp_path, tiny_model_dir):
     train(make_cfg(tmp_path, tiny_model_dir, "algorithm.preset=tree_grpo", "agent.max_turns=3",
                    "rollout.group_size=8", "rollout.seeding=per_sample", "train.steps=2", "checkpoint.every=1"))  # fmt: skip

@@ -158,9 +158,18 @@ def test_tree_grpo_by_hand():
     want6 = [0.5 / (H + 1e-6) + 0.25 / (0.5 + 1e-6), -0.5 / (H + 1e-6) - 0.75 / (0.5 + 1e-6),
              0.25 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6)]  # fmt: skip
     _close(out6[:, 0], want6)
-    # without prompt_ids the prompt is the tree: inter = intra
+    # without prompt_ids each tree is its own prompt: no other tree, no inter-tree term (the
+    # official code would add intra twice: 2 A^G); exactly the leaf-group GRPO advantage
     out1 = tree_token_advantages(parent, nodes, nodes >= 0, r, trees, mode="tree_grpo", eps=0.0)
-    _close(out1, torch.tensor([2 * H, -2 * H, 0.0, 0.0])[:, None].expand(4, 2))
+    _close(out1, torch.tensor([H, -H, 0.0, 0.0])[:, None].expand(4, 2))
+    leaf = tree_token_advantages(parent, nodes, nodes >= 0, r, trees, mode="leaf_group", eps=0.0)
+    assert torch.equal(out1, leaf)
+    # one prompt with one tree, another with two: the lone tree has intra only
+    prompt = torch.tensor([0, 0, 1, 1])
+    mixed = tree_token_advantages(
+        parent, nodes, nodes >= 0, r, trees, mode="tree_grpo", prompt_ids=prompt, eps=0.0
+    )
+    _close(mixed, torch.tensor([H, -H, 0.0, 0.0])[:, None].expand(4, 2))
 
 
 def test_treerl_by_hand():

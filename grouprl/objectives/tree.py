@@ -59,7 +59,10 @@ Per-slot modes (`TREE_MODES`, `tree_token_advantages`); A^G_i is the plain GRPO 
               its official code, AMAP-ML/Tree-GRPO verl/trainer/ppo/ray_trainer_ts.py, estimator
               "tree" that every tree-search script uses): intra = GRPO over the rows of the tree
               (group_ids), inter = GRPO over the rows of every tree of the same prompt
-              (`prompt_ids`, Long[N]; default group_ids, which makes inter = intra, i.e. 2 A^G).
+              (`prompt_ids`, Long[N]; default group_ids). Deviation: a prompt with ONE tree
+              gets no inter-tree term (the official code sums intra + inter there too, which is
+              2 A^G); so with one tree per prompt tree_grpo is GRPO over the leaves, and a tree of
+              depth 1 is plain GRPO bit for bit.
   branch_grpo a_depth(n) on every slot of node n: V(n) standardised over the nodes of n's tree
               at n's depth (BranchGRPO, arXiv 2509.06040: reward fusion = V, the mean of the
               leaf rewards below n [unconfirmed: uniform weights; the paper's fusion weights
@@ -434,7 +437,12 @@ def mode_tempo(tree: _Tree) -> Tensor:
 def mode_tree_grpo(tree: _Tree) -> Tensor:
     intra = tree.grpo(tree.group_ids)  # [N] within the tree
     inter = tree.grpo(tree.prompt_ids)  # [N] across the trees of one prompt
-    return tree.per_row(intra + inter)  # [N, T]
+    # a prompt with one tree has no other tree to compare with: no inter-tree term (the
+    # official code adds its intra-tree advantage a second time there)
+    pairs = torch.unique(torch.stack([tree.prompt_ids, tree.group_ids]), dim=1)  # [2, trees]
+    prompts, trees = torch.unique(pairs[0], return_counts=True)  # [P], [P]
+    lone = torch.isin(tree.prompt_ids, prompts[trees < 2])  # [N]
+    return tree.per_row(intra + torch.where(lone, torch.zeros_like(inter), inter))  # [N, T]
 
 
 @TREE_MODES.register("treerl")

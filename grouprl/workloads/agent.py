@@ -14,7 +14,7 @@ agent.credit must be trajectory (config/checks.py refuses the combination); with
 per-turn credit runs over the leaves as over a flat group. Mode tree_grpo's inter-tree level
 groups the trees of one prompt: here the trees whose first prompt (system + first observation)
 is the same token sequence, within one process's batch (e.g. every seed of a fixed FrozenLake map;
-with one tree per start state the inter-tree term equals the intra-tree one).
+a start state with one tree gets no inter-tree term: objectives/tree.py).
 """
 
 from __future__ import annotations

@@ -65,7 +65,9 @@ Choices and deviations (sources: METHODS.md, peers/text.md):
                 per-turn credit). Deviations: the paper grows M trees per prompt by L rounds of
                 random expansion of N nodes each; here one tree of fixed shape per group, forked
                 at fixed turn counts (the shape is our choice; M, N, L of the paper's runs are
-                unconfirmed here); a group of one tree gets 0 where the code gives the raw reward;
+                unconfirmed here); a start state with a single tree gets no inter-tree term (the
+                code adds the intra-tree advantage twice there), so a tree of depth 1 trains like
+                GRPO bit for bit; a group of one leaf gets 0 where the code gives the raw reward;
                 clip 0.2 / seq_mean_token_mean / no KL are this registry's GRPO core
                 [unconfirmed against the paper's runs].
   opd           on-policy distillation alone: pg_coef 0 and algorithm.distill {estimator k1,
