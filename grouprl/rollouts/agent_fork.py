@@ -85,6 +85,9 @@ class Forker:
                 child.path = [*e.path, e.group * NODES_PER_TREE + index]
                 child.key = (-1 - node, j)
                 out.append(child)
+            close = getattr(e.env, "close", None)  # the children hold envs of their own now (a
+            if callable(close):  # process env would otherwise outlive its episode)
+                close()
         return out
 
     def _replay(self, e: Episode) -> Any:
