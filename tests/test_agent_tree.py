@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_agent_train import make_cfg  # noqa: E402
 from test_methods_train import train_rows  # noqa: E402
 from test_multi_turn import CounterEnv, scripted_policy  # noqa: E402
-from test_tree_rollouts import _final_weights  # noqa: E402
+from test_tree_rollouts import final_weights  # noqa: E402
 
 TURN = 21  # "<action>inc</action>" + EOS: the scripted engine's turn, in char tokens
 
@@ -231,7 +231,7 @@ def test_a_depth_one_agent_tree_trains_exactly_like_flat_grpo(tmp_path, tiny_mod
     train(make_cfg(tmp_path / "flat", tiny_model_dir, *common))
     train(make_cfg(tmp_path / "tree", tiny_model_dir, *common,
                    "rollout.tree={type: fixed, branching: [3]}"))  # fmt: skip
-    a, b = _final_weights(tmp_path / "flat" / "run"), _final_weights(tmp_path / "tree" / "run")
+    a, b = final_weights(tmp_path / "flat" / "run"), final_weights(tmp_path / "tree" / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -245,7 +245,7 @@ def test_a_depth_one_tree_under_the_tree_grpo_preset_is_plain_grpo(tmp_path, tin
                    "algorithm.adv_eps=1e-6", "agent.credit=trajectory"))  # fmt: skip
     train(make_cfg(tmp_path / "tree", tiny_model_dir, *common, "algorithm.preset=tree_grpo",
                    "rollout.tree={type: fixed, branching: [4]}"))  # fmt: skip
-    a, b = _final_weights(tmp_path / "flat" / "run"), _final_weights(tmp_path / "tree" / "run")
+    a, b = final_weights(tmp_path / "flat" / "run"), final_weights(tmp_path / "tree" / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

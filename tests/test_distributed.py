@@ -207,7 +207,7 @@ def parity(completions, **_):
 """
 
 
-def _raw(out_dir, model_dir, reward_file):
+def two_process_raw(out_dir, model_dir, reward_file):
     return {
         "run": {"name": "r", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
                 "console": False, "num_threads": 1},
@@ -228,7 +228,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_two(config_path, *overrides):
+def launch_two(config_path, *overrides):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
@@ -248,7 +248,7 @@ def _train_rows(run_dir):
     return [r for r in rows if r["split"] == "train"]
 
 
-def _max_diff(a, b):
+def max_diff(a, b):
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -257,9 +257,15 @@ def test_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_model_dir
     reward_file = tmp_path / "rewards.py"
     reward_file.write_text(REWARDS_PY)
     config_path = tmp_path / "cfg.yaml"
-    config_path.write_text(yaml.safe_dump(_raw(tmp_path / "two", tiny_model_dir, reward_file)))
-    _launch_two(config_path)
-    one = train(validate(apply_overrides(_raw(tmp_path / "one", tiny_model_dir, reward_file), [])))
+    config_path.write_text(
+        yaml.safe_dump(two_process_raw(tmp_path / "two", tiny_model_dir, reward_file))
+    )
+    launch_two(config_path)
+    one = train(
+        validate(
+            apply_overrides(two_process_raw(tmp_path / "one", tiny_model_dir, reward_file), [])
+        )
+    )
 
     one_dir, two_dir = Path(one["run_dir"]), tmp_path / "two" / "r"
     steps = [p.name for p in CheckpointManager(two_dir).complete()]
@@ -267,8 +273,8 @@ def test_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_model_dir
     w1 = _weights(CheckpointManager(one_dir).latest())
     w2 = _weights(CheckpointManager(two_dir).latest())
     w0 = load_file(tiny_model_dir / "model.safetensors")
-    assert _max_diff(w1, w0) > 1e-3  # training moved the weights
-    assert _max_diff(w1, w2) < 5e-5
+    assert max_diff(w1, w0) > 1e-3  # training moved the weights
+    assert max_diff(w1, w2) < 5e-5
     rows1, rows2 = _train_rows(one_dir), _train_rows(two_dir)
     assert [r["step"] for r in rows2] == [1, 2, 3]  # one log line per step (main process only)
     for a, b in zip(rows1, rows2):  # the same samples and rewards; losses equal up to rounding
@@ -281,9 +287,9 @@ def test_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_model_dir
     resumed = tmp_path / "resumed" / "r"
     shutil.copytree(two_dir, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-00000003")
-    raw = _raw(tmp_path / "resumed", tiny_model_dir, reward_file)
+    raw = two_process_raw(tmp_path / "resumed", tiny_model_dir, reward_file)
     train(validate(apply_overrides(raw, ["run.resume=true"])))
-    assert _max_diff(w1, _weights(CheckpointManager(resumed).latest())) < 5e-5
+    assert max_diff(w1, _weights(CheckpointManager(resumed).latest())) < 5e-5
 
 
 # ---- FSDP2 through accelerate, forced onto CPU processes ----------------------------------------
@@ -325,7 +331,9 @@ def test_fsdp2_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_mod
     script = tmp_path / "force_fsdp2.py"
     script.write_text(FORCE_FSDP2)
     config_path = tmp_path / "cfg.yaml"
-    config_path.write_text(yaml.safe_dump(_raw(tmp_path / "two", tiny_model_dir, reward_file)))
+    config_path.write_text(
+        yaml.safe_dump(two_process_raw(tmp_path / "two", tiny_model_dir, reward_file))
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
@@ -333,13 +341,17 @@ def test_fsdp2_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_mod
            str(script), "train", str(config_path)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    one = train(validate(apply_overrides(_raw(tmp_path / "one", tiny_model_dir, reward_file), [])))
+    one = train(
+        validate(
+            apply_overrides(two_process_raw(tmp_path / "one", tiny_model_dir, reward_file), [])
+        )
+    )
     two_dir = tmp_path / "two" / "r"
     w1 = _weights(CheckpointManager(Path(one["run_dir"])).latest())
-    assert _max_diff(w1, _weights(CheckpointManager(two_dir).latest())) < 5e-5
+    assert max_diff(w1, _weights(CheckpointManager(two_dir).latest())) < 5e-5
     state = CheckpointManager.load(two_dir / "checkpoints" / "step-00000002")
     assert sorted(state["optimizer"]["state"])[:2] == [0, 1]  # torch's layout, whole
     shutil.rmtree(two_dir / "checkpoints" / "step-00000003")
-    raw = _raw(tmp_path / "two", tiny_model_dir, reward_file)
+    raw = two_process_raw(tmp_path / "two", tiny_model_dir, reward_file)
     train(validate(apply_overrides(raw, ["run.resume=true"])))  # one process resumes it
-    assert _max_diff(w1, _weights(CheckpointManager(two_dir).latest())) < 5e-5
+    assert max_diff(w1, _weights(CheckpointManager(two_dir).latest())) < 5e-5

@@ -72,7 +72,7 @@ class ClassVelocity(torch.nn.Module):
         return self.out(torch.tanh(self.to_q(z))).permute(0, 3, 1, 2)
 
 
-def _module_policy(**kw):
+def module_policy(**kw):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = ClassVelocity()
@@ -146,7 +146,7 @@ def test_on_policy_ratio_is_exactly_one(which):
     elif which == "flux":
         pol, cond = _flux(sampler="dance_sde", noise_level=0.3), _flux_cond()
     else:
-        pol, cond = _module_policy(guidance_scale=2.0), class_condition([0, 2], null_label=3)
+        pol, cond = module_policy(guidance_scale=2.0), class_condition([0, 2], null_label=3)
     r = pol.sample(cond, 3, generator=_gen())
     k = r.actions.num_steps
     assert r.old_logp.shape == (6, k) and r.mask.shape == (6, k) and r.mask.sum() == 6 * (k - 1)
@@ -194,7 +194,7 @@ def test_lora_reference_equals_base_model_and_kl():
 
 
 def test_full_finetuning_reference_is_a_lazy_frozen_copy():
-    pol, cond = _module_policy(), class_condition([0, 1])
+    pol, cond = module_policy(), class_condition([0, 1])
     assert pol.weights._ref_model is None
     r = pol.sample(cond, 2, generator=_gen())
     out = pol.log_probs(r.actions)
@@ -386,7 +386,7 @@ def test_one_train_step(which):
     elif which == "flux":
         _train_step(_flux(lora={"r": 4, "alpha": 8}), _flux_cond())
     else:
-        _train_step(_module_policy(guidance_scale=2.0), class_condition([0, 1], null_label=3))
+        _train_step(module_policy(guidance_scale=2.0), class_condition([0, 1], null_label=3))
 
 
 # ---- video, text conditioning, errors ----------------------------------------------------------
@@ -446,7 +446,7 @@ def test_errors_name_the_option():
     with pytest.raises(ValueError, match="train_cfg"):
         _sd3(train_cfg="half")
     with pytest.raises(ValueError, match="target_modules"):
-        _module_policy(lora={"r": 2, "target_modules": ["nonexistent_proj"]})
+        module_policy(lora={"r": 2, "target_modules": ["nonexistent_proj"]})
     with pytest.raises(ValueError, match="no prompt_encoder"):
         _sd3().sample(["a prompt"], 1)
     with pytest.raises(ValueError, match="mode"):

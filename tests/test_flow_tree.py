@@ -9,7 +9,7 @@ ids, segments, steps run (`generated`), BranchGRPO's depth-wise advantage, pruni
 import pytest
 import torch
 from test_diffusion_train import final_state, metrics, module_cfg
-from test_flow_policy import _module_policy
+from test_flow_policy import module_policy
 
 from grouprl.config.loading import validate
 from grouprl.objectives.tree import depthwise_advantages, tree_from_paths, tree_token_advantages
@@ -28,7 +28,7 @@ def _gen(seed=3):
 
 
 def test_a_tree_of_depth_one_is_the_flat_group():
-    pol, cond = _module_policy(), class_condition([0, 2], 3)
+    pol, cond = module_policy(), class_condition([0, 2], 3)
     flat = sample_groups(pol, cond, 4, generator=_gen(), group_ids=[5, 6])
     tree = sample_tree_groups(pol, cond, [4], [], generator=_gen(), group_ids=[5, 6])
     for a, b in [
@@ -46,7 +46,7 @@ def test_a_tree_of_depth_one_is_the_flat_group():
 
 
 def test_a_depth_two_tree_shares_its_prefix_and_records_its_shape():
-    pol, cond = _module_policy(), class_condition([1], 3)
+    pol, cond = module_policy(), class_condition([1], 3)
     t = sample_tree_groups(pol, cond, [2, 3], [1], generator=_gen(), group_ids=[7])
     lat = t.actions.latents  # [6, 4, 3, 4, 4]
     # siblings share x_0 and x_1 (the depth-1 window is step 0) and differ after
@@ -65,7 +65,7 @@ def test_a_depth_two_tree_shares_its_prefix_and_records_its_shape():
 
 def test_an_ode_prefix_shared_by_the_group_runs_once():
     steps = {"name": "sliding_window", "window_size": 2, "window_range": (1, 3)}
-    pol = _module_policy(steps=steps, initial_noise="shared")
+    pol = module_policy(steps=steps, initial_noise="shared")
     rows = []
     predict = pol.predict
 

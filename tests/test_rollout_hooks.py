@@ -353,7 +353,7 @@ def test_hooks_under_two_processes_match_one(tiny_model_dir, tmp_path):
     like any collect) and replay's buffer come out the same as with one process."""
     import yaml
     from safetensors.torch import load_file
-    from test_distributed import REWARDS_PY, _launch_two, _max_diff, _raw
+    from test_distributed import REWARDS_PY, launch_two, max_diff, two_process_raw
 
     from grouprl.runtime.checkpoint import CheckpointManager
 
@@ -365,17 +365,17 @@ def test_hooks_under_two_processes_match_one(tiny_model_dir, tmp_path):
         {"type": "replay"}]}, "algorithm": {"engine_correction": "token_truncate"}}  # fmt: skip
 
     def raw(out):
-        r = _raw(out, tiny_model_dir, reward_file)
+        r = two_process_raw(out, tiny_model_dir, reward_file)
         r["rollout"] = {**r["rollout"], **hooks["rollout"]}
         return {**r, "algorithm": hooks["algorithm"]}
 
     config_path = tmp_path / "cfg.yaml"
     config_path.write_text(yaml.safe_dump(raw(tmp_path / "two")))
-    _launch_two(config_path)
+    launch_two(config_path)
     one = Path(train(validate(apply_overrides(raw(tmp_path / "one"), [])))["run_dir"])
     two = tmp_path / "two" / "r"
     a, b = CheckpointManager(one).latest(), CheckpointManager(two).latest()
-    assert _max_diff(load_file(a / "model/model.safetensors"),
+    assert max_diff(load_file(a / "model/model.safetensors"),
                      load_file(b / "model/model.safetensors")) < 5e-5  # fmt: skip
     buf1, buf2 = (read_state(c)["rollout_hooks"]["replay"]["buffer"] for c in (a, b))
     assert [k for k, _ in buf1] == [k for k, _ in buf2] and buf1

@@ -127,7 +127,7 @@ def test_tree_config_runs_in_the_loop_and_counts_generated_tokens(tmp_path, tiny
         }, []))  # fmt: skip
 
 
-def _final_weights(run_dir):
+def final_weights(run_dir):
     from safetensors.torch import load_file
 
     from grouprl.runtime.checkpoint import CheckpointManager
@@ -146,7 +146,7 @@ def test_a_depth_one_tree_trains_exactly_like_flat_grpo(preset, tmp_path, tiny_m
     tree = tmp_path / "tree"
     train(make_cfg(tree, tiny_model_dir, *common, f"algorithm.preset={preset}",
                    "rollout.tree={type: fixed, branching: [4]}"))  # fmt: skip
-    a, b = _final_weights(flat / "run"), _final_weights(tree / "run")
+    a, b = final_weights(flat / "run"), final_weights(tree / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
