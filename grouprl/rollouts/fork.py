@@ -167,17 +167,10 @@ def _leaf_rollout(policy: Any, prompts: list[Any], group_ids: list[int], leaves:
                 seen.add(node_id)
                 own += leaf.depth.count(d)
         generated.append(own)
-    pad = policy.tokenizer.pad_token_id
-    enc = policy.encode_prompts(prompts)
-    prompt_rows = [torch.tensor(enc[leaf.row]) for leaf in leaves]
+    enc = policy.encode_prompts(prompts)  # once per prompt
+    batch = _token_batch(policy, [enc[n.row] for n in leaves], [n.ids for n in leaves],
+                         truncated=[n.truncated for n in leaves])  # fmt: skip
     tensor = torch.tensor
-    p_ids = pad_sequence(prompt_rows, batch_first=True, padding_value=pad, padding_side="left")
-    p_mask = pad_sequence([torch.ones(len(p), dtype=torch.bool) for p in prompt_rows],
-                          batch_first=True, padding_value=0, padding_side="left")  # fmt: skip
-    c_ids = pad_sequence([tensor(n.ids, dtype=torch.long) for n in leaves], batch_first=True,
-                         padding_value=pad)  # fmt: skip  # [N, T]
-    c_mask = pad_sequence([torch.ones(len(n.ids), dtype=torch.bool) for n in leaves],
-                          batch_first=True, padding_value=0)  # fmt: skip  # [N, T]
     logp = pad_sequence([tensor(n.logp, dtype=torch.float32) for n in leaves], batch_first=True,
                         padding_value=0.0)  # fmt: skip  # [N, T]
     segment = pad_sequence([tensor(n.depth, dtype=torch.long) for n in leaves], batch_first=True,
@@ -185,13 +178,12 @@ def _leaf_rollout(policy: Any, prompts: list[Any], group_ids: list[int], leaves:
     path = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)  # [N, D+1]
     for i, n in enumerate(leaves):
         path[i, : len(n.path)] = tensor(n.path)
-    batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, tensor([n.truncated for n in leaves]))
     return Rollout(
         group_ids=tensor([int(group_ids[n.row]) for n in leaves], dtype=torch.long),  # [N]
         rewards={},
         actions=batch,
         old_logp=logp.clone(),  # [N, T]
-        mask=c_mask.clone(),  # [N, T] every completion token was sampled by the policy
+        mask=batch.completion_mask.clone(),  # [N, T] every completion token was sampled
         engine_logp=logp,
         tree_path=path,
         tree_segment=segment,
@@ -294,8 +286,8 @@ def _entropy_cuts(policy: Any, prompts: list[Any], params: Any, nodes: list[_Nod
                   threshold: float, min_tokens: int) -> list[int | None]:  # fmt: skip
     """Per node: the index in its tail of the first token, at least min_tokens in, whose
     next-token entropy under the policy exceeds `threshold`; None where there is none."""
-    rows = [n.ids + n.tail[0] for n in nodes]
-    batch = _token_batch(policy, [prompts[n.row] for n in nodes], rows)
+    enc = policy.encode_prompts(prompts)  # once per prompt
+    batch = _token_batch(policy, [enc[n.row] for n in nodes], [n.ids + n.tail[0] for n in nodes])
     with torch.no_grad():
         ent = policy.log_probs(batch, temperature=params.temperature, with_entropy=True).entropy
     cuts: list[int | None] = []
@@ -306,10 +298,11 @@ def _entropy_cuts(policy: Any, prompts: list[Any], params: Any, nodes: list[_Nod
     return cuts
 
 
-def _token_batch(policy: Any, prompts: list[Any], completions: list[list[int]]) -> TokenBatch:
-    """[left-padded prompt | right-padded completion] of token rows, for scoring."""
+def _token_batch(policy: Any, prompt_ids: list[list[int]], completions: list[list[int]],
+                 truncated: list[bool] | None = None) -> TokenBatch:  # fmt: skip
+    """[left-padded prompt | right-padded completion] of token rows (prompts as token ids)."""
     pad = policy.tokenizer.pad_token_id
-    enc = [torch.tensor(p) for p in policy.encode_prompts(prompts)]
+    enc = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
     rows = [torch.tensor(c, dtype=torch.long) for c in completions]
     return TokenBatch(
         prompt_ids=pad_sequence(enc, batch_first=True, padding_value=pad, padding_side="left"),
@@ -318,5 +311,5 @@ def _token_batch(policy: Any, prompts: list[Any], completions: list[list[int]]) 
         completion_ids=pad_sequence(rows, batch_first=True, padding_value=pad),  # [n, T]
         completion_mask=pad_sequence([torch.ones(len(c), dtype=torch.bool) for c in rows],
                                      batch_first=True, padding_value=0),
-        truncated=torch.zeros(len(rows), dtype=torch.bool),
+        truncated=torch.tensor(truncated if truncated is not None else [False] * len(rows)),
     )  # fmt: skip

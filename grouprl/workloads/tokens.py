@@ -75,10 +75,18 @@ def prepare(
             rollout.mask.device
         )  # [N, T]
     lengths = batch.lengths.float()  # [N]
+    # a tree rollout's (parent [M], node_of_row [N, T]), made once when its advantages or scales
+    # read it
+    tree = None
+    if rollout.tree_path is not None and (a.tree_advantage, a.tree_scales) != (
+        "leaf_group",
+        "none",
+    ):
+        tree = tree_from_paths(rollout.tree_path, rollout.tree_segment)
     if credit is not None:  # multi-turn episodes: per-turn credit
         rollout.advantages = credit(rollout)  # [N, T]
-    elif rollout.tree_path is not None and a.tree_advantage != "leaf_group":  # rollout.tree
-        parent, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
+    elif tree is not None and a.tree_advantage != "leaf_group":  # rollout.tree
+        parent, node_of_row = tree
         rollout.advantages = tree_token_advantages(
             parent, node_of_row, rollout.mask, combined_reward(rollout.rewards, weights),
             rollout.group_ids, mode=a.tree_advantage, eps=a.adv_eps,
@@ -90,7 +98,7 @@ def prepare(
             reward_aggregation=a.reward_aggregation, lengths=lengths, scale=a.scale,
             eps=a.adv_eps,
         )  # fmt: skip  # [N]
-    rollout.token_scales = _token_scales(a, rollout, current_policy)  # [N, T] or None
+    rollout.token_scales = _token_scales(a, rollout, current_policy, tree)  # [N, T] or None
     if a.aggregation == "delta_l":
         rollout.seq_weights = delta_l_weights(lengths, a.delta_l_alpha)  # [N]
 
@@ -101,13 +109,12 @@ def prepare(
     return metrics
 
 
-def _token_scales(a: Any, rollout: Rollout, current_policy) -> Tensor | None:
+def _token_scales(a: Any, rollout: Rollout, current_policy, tree: Any) -> Tensor | None:
     """The tree's shared-segment scales and lambda-GRPO's prefix scales times EGSW weights,
-    Float[N, T]; None when none is on."""
+    Float[N, T]; None when none is on. tree: (parent, node_of_row) of a tree rollout, or None."""
     scales = None
-    if rollout.tree_path is not None and a.tree_scales == "shared_segment":
-        _, node_of_row = tree_from_paths(rollout.tree_path, rollout.tree_segment)
-        scales = shared_segment_scales(node_of_row, rollout.mask)  # [N, T]
+    if tree is not None and a.tree_scales == "shared_segment":
+        scales = shared_segment_scales(tree[1], rollout.mask)  # [N, T]
     if a.token_scale == "prefix_share":
         tokens = rollout.actions.completion_ids  # [N, T]
         share = prefix_share_scales(tokens, rollout.mask, rollout.group_ids)  # [N, T]
