@@ -155,9 +155,16 @@ def collect(dirs: list[str], out: Path, name: str) -> dict[str, list[dict]]:
     return merged
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+def main(
+    doc: str = __doc__,
+    methods: dict[str, list[str]] = METHODS,
+    output_dir: str = "runs/signal-methods",
+    results_name: str = "signal_methods.json",
+    baseline: str = "grpo",
+) -> None:
+    """The command line of this protocol, for these methods (benchmarks/tree_text.py reuses it)."""
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--methods", nargs="+", default=list(methods), choices=list(methods))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--eval-every", type=int, default=50)
@@ -168,23 +175,22 @@ def main() -> None:
         "the budgets need",
     )  # fmt: skip
     p.add_argument("--warmup-max-steps", type=int, default=3000)
-    p.add_argument("--output-dir", default="runs/signal-methods")
+    p.add_argument("--output-dir", default=output_dir)
     p.add_argument(
         "--collect", nargs="+", metavar="DIR",
         help="only report: merge the results of these output directories (e.g. one per seed, run "
         "side by side) into --output-dir",
     )  # fmt: skip
     args = p.parse_args()
+    out = Path(args.output_dir)
     if args.collect:
-        merged = collect(args.collect, Path(args.output_dir), "signal_methods.json")
-        print(report({m: merged[m] for m in METHODS if m in merged}, Path(args.output_dir),
-                     args.steps))  # fmt: skip
-        return
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    console = Console()
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    print(report(run(args, console), Path(args.output_dir), args.steps))
+        results = collect(args.collect, out, results_name)
+    else:
+        torch.set_num_threads(1)
+        hf_logging.disable_progress_bar()
+        out.mkdir(parents=True, exist_ok=True)
+        results = run(args, Console(), methods)
+    print(report({m: results[m] for m in methods if m in results}, out, args.steps, baseline))
 
 
 if __name__ == "__main__":

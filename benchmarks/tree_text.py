@@ -17,13 +17,7 @@ second completion token (segment_tokens 1):
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-import torch
-from rich.console import Console
-from signal_methods import collect, report, run
-from transformers.utils import logging as hf_logging
+import signal_methods
 
 TREE = "rollout.tree={type: fixed, branching: [2, 2, 2], segment_tokens: 1}"
 METHODS: dict[str, list[str]] = {
@@ -40,29 +34,7 @@ METHODS: dict[str, list[str]] = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--n-eval", type=int, default=300)
-    p.add_argument("--max-train", type=int, default=640)
-    p.add_argument("--warmup-max-steps", type=int, default=3000)
-    p.add_argument("--output-dir", default="runs/tree-text")
-    p.add_argument("--collect", nargs="+", metavar="DIR",
-                   help="only report: merge these output directories (one per seed)")  # fmt: skip
-    args = p.parse_args()
-    if args.collect:
-        merged = collect(args.collect, Path(args.output_dir), "tree_text.json")
-        print(report({m: merged[m] for m in METHODS if m in merged}, Path(args.output_dir),
-                     args.steps, baseline="flat8"))  # fmt: skip
-        return
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    results = run(args, Console(), METHODS)
-    print(report({m: results[m] for m in METHODS if m in results}, Path(args.output_dir),
-                 args.steps, baseline="flat8"))  # fmt: skip
+    signal_methods.main(__doc__, METHODS, "runs/tree-text", "tree_text.json", baseline="flat8")
 
 
 if __name__ == "__main__":
