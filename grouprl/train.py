@@ -49,6 +49,7 @@ from grouprl.runtime.logging import RunLogger
 from grouprl.runtime.plots import plot_curves
 from grouprl.runtime.reward_guard import drain_reward_metrics, isolate_rewards, isolation_settings
 from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
+from grouprl.runtime.throughput import StepMeter
 from grouprl.runtime.user_inputs import (
     check_model_path,
     enable_crash_traces,
@@ -438,29 +439,38 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     rollouts = rollout_source(cfg, policy, sampler, lambda at, pol: rollout_step(
         cfg, workload, pol, sampler, reward_fns, weights, at, dist, health, hooks), dist.world)  # fmt: skip
 
+    meter = StepMeter.for_run(cfg, device, dist.world)  # perf/ metrics (runtime/throughput.py)
     with logger:
         if before is None:
             before = run_eval(0)
         while step < cfg.train.steps:
-            rollout, metrics = rollouts.next(step, policy)  # async: sampled while stepping
-            release_engine(policy)  # GPU, rollout.vllm.sleep: vLLM frees memory for the update
+            meter.start_step()
+            with meter.stage("generate"):
+                rollout, metrics = rollouts.next(step, policy)  # async: sampled while stepping
+                release_engine(policy)  # GPU, rollout.vllm.sleep: vLLM frees memory for the update
             step, after = step + 1, None  # a step ran: the final evaluation is due (again)
             if rollout is not None:
-                metrics.update(workload.prepare(dist.scorer(policy), rollout, weights))
+                with meter.stage("prepare"):
+                    metrics.update(workload.prepare(dist.scorer(policy), rollout, weights))
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
                     sources = [ex[column] for ex in rollout.examples]
                     sampler.update(sources, response_advantages(rollout.advantages, rollout.mask))
                     metrics.update(sampler.metrics())
-                metrics.update(
-                    update(cfg, workload, policy, optimizer, scheduler, rollout, dist, scaler)
-                )
+                with meter.stage("update"):
+                    metrics.update(
+                        update(cfg, workload, policy, optimizer, scheduler, rollout, dist, scaler)
+                    )
                 dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
                 # engine-vs-trainer mismatch; DiffusionNFT's old / AWM's EMA weights follow
                 metrics.update(workload.after_update(step, rollout))
-                push_weights(policy)  # the engine samples the next step with the new weights
+                with meter.stage("weight_sync"):
+                    push_weights(policy)  # the engine samples the next step with the new weights
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
+            metrics.update(meter.metrics(workload, rollout, metrics))
+            for note in meter.pop_notes():
+                logger.print(note)
             logger.log(step, metrics)
             nonfinite_streak = check_nonfinite_streak(cfg, logger, step, metrics, nonfinite_streak)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:

@@ -28,7 +28,7 @@ class RunConfig(Section):
         description="Resume even though the config differs from the one the run was started with "
         "(the differences are printed and appended to config_changes.jsonl); false refuses. "
         "Always allowed: run.resume / overwrite / allow_config_change / output_dir / name / "
-        "console / log_backends / num_threads / device and train.steps (run_state.RESUME_EXEMPT).",
+        "console / log_backends / num_threads / device / peak_flops and train.steps (run_state.RESUME_EXEMPT).",
     )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="Where to train.")
     num_threads: int | None = Field(None, description="torch CPU threads (None: torch default).")
@@ -36,6 +36,13 @@ class RunConfig(Section):
         default_factory=lambda: ["jsonl"], description="Metric sinks besides metrics.jsonl."
     )
     console: bool = Field(True, description="Show the progress bar and status lines.")
+    peak_flops: float | Literal["auto"] | None = Field(
+        "auto",
+        gt=0,
+        description="Peak FLOP/s of one device for perf/mfu (runtime/throughput.py): a number, "
+        "'auto' (the GPU's dense bf16 tensor-core peak from a table, tf32 for float32; none on "
+        "CPU) or null (MFU not logged).",
+    )
     fail_fast: bool = Field(
         False, description="Stop at a reward / env error or timeout instead of NaN / ending it."
     )

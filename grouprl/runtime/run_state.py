@@ -44,7 +44,7 @@ from grouprl.runtime.user_inputs import is_python_object, python_objects_in
 
 RESUME_EXEMPT = frozenset({
     "run.resume", "run.overwrite", "run.allow_config_change", "run.console", "run.log_backends",
-    "run.num_threads", "run.device", "run.output_dir", "run.name", "train.steps",
+    "run.num_threads", "run.device", "run.output_dir", "run.name", "run.peak_flops", "train.steps",
 })  # fmt: skip
 CHANGES_FILE = "config_changes.jsonl"
 

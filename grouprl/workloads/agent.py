@@ -34,10 +34,11 @@ from grouprl.objectives.tree import tree_from_paths, tree_token_advantages
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.multi_turn import collect_episodes
 from grouprl.runtime.env_guard import EnvGuard
+from grouprl.runtime.throughput import StepWork
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.text import causal_lm_policy, sampling_params
-from grouprl.workloads.tokens import prepare, token_micro_loss
+from grouprl.workloads.tokens import prepare, token_micro_loss, token_work
 
 
 @register
@@ -85,6 +86,9 @@ class AgentWorkload:
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
         metrics = episode_metrics(rollout)  # over every episode, before the filter
         return keep_informative(self.cfg, rollout), metrics
+
+    def step_work(self, rollout: Rollout) -> StepWork:
+        return token_work(self.cfg, self.policy, rollout)  # runtime/throughput.py: FLOPs, MFU
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return prepare(self.cfg, scorer, rollout, weights, credit=self._credit)

@@ -26,11 +26,12 @@ from torch import Tensor
 from grouprl.config.gateway import GatewayConfig
 from grouprl.rollouts.gateway.episodes import episodes_rollout, run_episodes
 from grouprl.rollouts.gateway.server import Gateway
+from grouprl.runtime.throughput import StepWork
 from grouprl.runtime.user_inputs import import_user_module, split_user_spec
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.text import causal_lm_policy, sampling_params, step_mismatch
-from grouprl.workloads.tokens import prepare, token_micro_loss
+from grouprl.workloads.tokens import prepare, token_micro_loss, token_work
 
 
 def load_callable(spec: str, option: str) -> Any:
@@ -105,6 +106,9 @@ class GatewayWorkload:
             "episode/split_rows": sum(s > 1 for s in info["segments"]) / n,
             "episode/weight_version": float(min(info["weight_version"])),
         }
+
+    def step_work(self, rollout: Rollout) -> StepWork:
+        return token_work(self.cfg, self.policy, rollout)  # runtime/throughput.py: FLOPs, MFU
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return prepare(self.cfg, scorer, rollout, weights)  # group advantages of the returns

@@ -23,9 +23,10 @@ from grouprl.rollouts.batching import single_pass
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
+from grouprl.runtime.throughput import StepWork
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
-from grouprl.workloads.tokens import prepare, token_micro_loss
+from grouprl.workloads.tokens import prepare, token_micro_loss, token_work
 
 
 def causal_lm_policy(
@@ -173,6 +174,9 @@ class TextWorkload:
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
         return rollout, {}
+
+    def step_work(self, rollout: Rollout) -> StepWork:
+        return token_work(self.cfg, self.policy, rollout)  # runtime/throughput.py: FLOPs, MFU
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return prepare(self.cfg, scorer, rollout, weights, teacher=self.teacher)

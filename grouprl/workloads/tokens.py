@@ -28,7 +28,27 @@ from grouprl.objectives.tree import shared_segment_scales, tree_from_paths, tree
 from grouprl.rollouts.batching import recompute_old
 from grouprl.rollouts.filters import combined_reward
 from grouprl.rollouts.reward_metrics import reward_metrics
+from grouprl.runtime.throughput import StepWork, matmul_params
 from grouprl.types import LossOutput, Rollout
+
+
+def token_work(cfg: Any, policy: Any, rollout: Rollout) -> StepWork:
+    """The step's work for the FLOP estimate (runtime/throughput.py): the causal LM's matmul
+    parameters, the prompt tokens prefilled, the real prompt + completion tokens trained and the
+    no-grad scoring passes of prepare() (old log-probs when recomputed, the reference for a KL; a
+    distillation teacher's forward is not counted: it is another model)."""
+    batch = rollout.actions
+    prompt = int(batch.prompt_mask.sum())
+    a = cfg.algorithm
+    passes = int(recompute_old(cfg)) + int(a.kl_coef > 0)
+    passes += int(a.kl_coef > 0 and a.kl_mode == "reward" and not recompute_old(cfg))
+    return StepWork(
+        params=matmul_params(policy.model),
+        prefilled=prompt,
+        sequence=prompt + int(batch.completion_mask.sum()),
+        scoring_passes=passes,
+    )
+
 
 # rollout -> per-token advantages [N, T] (agents: per-turn credit); None: group advantages [N]
 TokenCredit = Callable[[Rollout], Tensor] | None

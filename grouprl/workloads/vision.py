@@ -23,6 +23,7 @@ from grouprl.policies.vision.policy import VisionLMPolicy
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
+from grouprl.runtime.throughput import StepWork
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.text import accuracy_key, evaluate, sampling_params, step_mismatch
@@ -104,6 +105,12 @@ class VisionLanguageWorkload:
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
         return rollout, {}
+
+    def step_work(self, rollout: Rollout) -> StepWork:
+        return StepWork(
+            params=None,
+            why="a vision-language policy's image encoder FLOPs per image are not counted (only a causal LM's 2 N per token is)",
+        )
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return prepare(self.cfg, scorer, rollout, weights)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from grouprl.config.diffusion import DiffusionConfig
 from grouprl.runtime.build import build_rewards
+from grouprl.runtime.throughput import StepWork
 from grouprl.types import LossOutput, Rollout
 from grouprl.workloads.base import Capabilities, Collected, Parts, register
 from grouprl.workloads.images import loss as image_loss
@@ -61,6 +62,12 @@ class ImagesWorkload:
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
         return rollout, {}
+
+    def step_work(self, rollout: Rollout) -> StepWork:
+        return StepWork(
+            params=None,
+            why="a flow / diffusion denoiser's FLOPs per denoising step depend on its architecture, resolution and guidance (no 2 N per action count)",
+        )
 
     def prepare(self, scorer: Any, rollout: Rollout, weights: dict[str, float]) -> dict[str, float]:
         return image_loss.prepare(self.cfg, scorer, rollout, weights)
