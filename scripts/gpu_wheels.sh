@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Download (here, with network) the wheels scripts/gpu_check.sh installs on the GPU machine, which
+# Download (here, with network) the wheels scripts/gpu_check.sh and scripts/gpu_configs.sh install on
+# the GPU machine, which
 # has torch, transformers, accelerate, peft, tokenizers, sentencepiece, numpy, pandas, pyarrow ...
 # but not diffusers nor the rest of grouprl's dependencies, and no network. Into .whl/ (git-ignored;
 # carry it to the GPU machine: `run(carry=[".whl"], ...)`). Versions: the ones this project's venv
@@ -14,6 +15,7 @@ WHEELS=(
   gymnasium==1.4.0 Farama-Notifications==0.0.6                                    # envs
   math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 # math rewards
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19                               # tasks
+  trl==1.16.0                                  # gpu_check.sh's comparison (TRL imports datasets)
 )
 mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -30,6 +30,7 @@ from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.runtime.checkpoint import CheckpointManager, checksum_problem
 from grouprl.runtime.logging import RunLogger
+from grouprl.runtime.throughput import wall_clock
 from grouprl.workloads.text import TextWorkload
 
 # (name, owner, attribute, kill before or after the real call)
@@ -107,8 +108,7 @@ def final_state(run_dir):
     ckpt = CheckpointManager(run_dir).latest(verify=True)
     weights = load_file(ckpt / "model" / "model.safetensors")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        r.pop("time")
+    rows = [{k: v for k, v in r.items() if not wall_clock(k)} for r in rows]
     return ckpt.name, weights, rows
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -36,9 +36,8 @@ class RunConfig(Section):
         default_factory=lambda: ["jsonl"], description="Metric sinks besides metrics.jsonl."
     )
     console: bool = Field(True, description="Show the progress bar and status lines.")
-    peak_flops: float | Literal["auto"] | None = Field(
+    peak_flops: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
         "auto",
-        gt=0,
         description="Peak FLOP/s of one device for perf/mfu (runtime/throughput.py): a number, "
         "'auto' (the GPU's dense bf16 tensor-core peak from a table, tf32 for float32; none on "
         "CPU) or null (MFU not logged).",

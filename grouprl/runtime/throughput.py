@@ -83,6 +83,12 @@ class MeasuresWork(Protocol):
     def step_work(self, rollout: Any) -> StepWork: ...
 
 
+def wall_clock(key: str) -> bool:
+    """A metrics.jsonl key whose value is a wall-clock reading (differs between identical runs):
+    the logger's "time" and every perf/ metric."""
+    return key == "time" or key.startswith("perf/")
+
+
 def step_flops(work: StepWork, generated: float, epochs: int) -> float | None:
     """Model FLOPs of one step (module docstring); None when the policy has no count."""
     if work.params is None:
