@@ -18,6 +18,7 @@ from grouprl.runtime.throughput import (
     StepWork,
     matmul_params,
     peak_flops_for,
+    peak_of_gpu,
     step_flops,
 )
 from grouprl.train import train
@@ -59,6 +60,15 @@ def test_peak_flops_setting():
     assert peak is None and "run.peak_flops is null" in note
     peak, note = peak_flops_for("auto", torch.device("cpu"), "float32")
     assert peak is None and "run.peak_flops" in note and "cpu" in note
+
+
+def test_peak_table_by_gpu_name():
+    assert peak_of_gpu("NVIDIA H200", "bfloat16") == 989e12
+    assert peak_of_gpu("NVIDIA H100 80GB HBM3", "float32") == 494.5e12  # tf32
+    assert peak_of_gpu("NVIDIA L40S", "float16") == 362e12  # not L40's, not L4's
+    assert peak_of_gpu("NVIDIA L40", "bfloat16") == 181e12
+    assert peak_of_gpu("NVIDIA L4", "bfloat16") == 121e12
+    assert peak_of_gpu("Tesla T4", "bfloat16") is None
 
 
 def test_meter_times_stages_and_refuses_unknown_ones():

@@ -28,7 +28,8 @@ module never asks which modality runs. A workload without it, or one whose polic
 count (flow policies: a denoiser's FLOPs per step depend on its architecture and resolution),
 logs no perf/mfu, and the run prints the reason once. Known simplifications: LoRA updates are
 counted as full 6 N (the frozen weights' gradients are not computed, so the true count is ~4 N);
-multi-turn agents' prefill is counted once per row, not per turn.
+multi-turn agents' prefill is counted once per row, not per turn; a prompt is counted as prefilled
+once per row, also where an engine prefills a group's shared prompt once.
 
 Peak FLOP/s: `run.peak_flops` (a number), or "auto": the device's dense bf16/fp16 tensor-core peak
 from PEAK_FLOPS (float32 uses the same table's tf32 entry), none on CPU (MFU not logged, noted
@@ -46,12 +47,14 @@ from typing import Any, Protocol, runtime_checkable
 STAGES = ("generate", "prepare", "update", "weight_sync")
 
 # dense (no 2:4 sparsity) tensor-core peak FLOP/s from the vendors' data sheets (SXM parts):
-# device-name substring -> {"bf16": ..., "tf32": ...}; float16 uses the bf16 entry
+# device-name substring -> {"bf16": ..., "tf32": ...}; float16 uses the bf16 entry; the first
+# substring found in the name wins (L40S before L40 before L4)
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989e12, "tf32": 494.5e12},
     "H100": {"bf16": 989e12, "tf32": 494.5e12},
     "A100": {"bf16": 312e12, "tf32": 156e12},
     "L40S": {"bf16": 362e12, "tf32": 183e12},
+    "L40": {"bf16": 181e12, "tf32": 90.5e12},
     "A10G": {"bf16": 70e12, "tf32": 35e12},
     "L4": {"bf16": 121e12, "tf32": 60e12},
 }
@@ -117,14 +120,23 @@ def peak_flops_for(
     import torch
 
     name = torch.cuda.get_device_name(device)
-    kind = "tf32" if dtype == "float32" else "bf16"
-    for key, peaks in PEAK_FLOPS.items():
-        if key in name:
-            return peaks[kind], ""
+    peak = peak_of_gpu(name, dtype)
+    if peak is not None:
+        return peak, ""
     return None, (
         f"run.peak_flops=auto has no entry for GPU {name!r} (known: {', '.join(PEAK_FLOPS)}): "
         "perf/mfu is not logged; set run.peak_flops to its dense FLOP/s"
     )
+
+
+def peak_of_gpu(name: str, dtype: str) -> float | None:
+    """PEAK_FLOPS of a GPU by its name (torch.cuda.get_device_name): bf16 / fp16 compute, or tf32
+    for float32; None when the table has no entry."""
+    kind = "tf32" if dtype == "float32" else "bf16"
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name:
+            return peaks[kind]
+    return None
 
 
 def matmul_params(model: Any) -> int:
