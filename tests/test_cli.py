@@ -32,6 +32,7 @@ def config_file(tmp_path, tiny_model_dir):
 
 def run_cli(capsys, *argv):
     """main(argv) -> (exit status, stdout, stderr)."""
+    capsys.readouterr()  # only main's own output (not earlier runs' notes)
     status = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return status, out, err

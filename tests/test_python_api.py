@@ -63,6 +63,7 @@ def final_weights(run_dir) -> dict:
 
 
 def run_cli(capsys, *argv):
+    capsys.readouterr()  # only main's own output (not earlier runs' notes)
     status = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return status, out, err
