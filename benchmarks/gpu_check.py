@@ -268,7 +268,9 @@ def run_side(side: str, args: list[str], timeout: float) -> dict[str, Any]:
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"{side} ran past --timeout-s {timeout:.0f}") from exc
+            raise RuntimeError(
+                f"{side} stopped after {timeout:.0f} s (--timeout-s / --budget-s)"
+            ) from exc
         if proc.returncode != 0:
             tail = (proc.stdout[-2000:] + proc.stderr[-6000:]).strip()
             sys.stderr.write(f"--- {side} failed (rc {proc.returncode}) ---\n{tail}\n")
@@ -326,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, help="(default 512; --tiny 8)")
     p.add_argument("--micro", type=int, help="completions per micro-batch (default 16; --tiny 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=330.0, help="limit per side's process")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="limit per side's process")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="the whole check's limit: a side gets at most what is left of it")  # fmt: skip
     p.add_argument("--out", type=Path, help="default: $OUT, else benchmarks/results")
     p.add_argument("--worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help="where the replica is built (reused when there)")
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     default_dir = Path(tempfile.gettempdir()) / f"gpu-check-model-{'tiny' if a.tiny else 'full'}"
     model_dir = build_model_dir(a.model_dir or default_dir, a.tiny, a.seed)
     device = torch.cuda.get_device_name() if a.device == "cuda" else C.cpu_model()
-    print(f"gpu_check on {device}, torch {torch.__version__}; model built in "
+    print(f"gpu_check on {device}, torch {torch.__version__}; replica ready after "
           f"{time.perf_counter() - start:.0f} s; {a.prompts} prompts x {a.samples} samples, "
           f"{a.max_new_tokens} new tokens, {a.warmup} warm-up + {a.steps} timed steps",
           flush=True)  # fmt: skip
@@ -368,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, dict[str, Any]] = {}
     for side in sides:
         t0 = time.perf_counter()
+        left = a.budget_s - (t0 - start)
         try:
-            results[side] = run_side(side, common, a.timeout_s)
+            if left < 30:
+                raise RuntimeError(f"not run: --budget-s {a.budget_s:.0f} spent")
+            results[side] = run_side(side, common, min(a.timeout_s, left))
             summary[side] = summarize(results[side], a.warmup)
         except Exception as exc:  # one side failing still reports the other
             summary[side] = {"error": str(exc)}
