@@ -112,8 +112,9 @@ def test_two_step_run_logs_every_perf_metric(tmp_path, capsys):
         assert generated == pytest.approx(r["rollout/sampled_actions"])
         trained = r["perf/trained_tokens_per_s"] * r["perf/step_s"]
         # 4 completions of <= 3 tokens, trained in 2 epochs
-        assert trained == pytest.approx(round(trained)) and round(trained) % 2 == 0
-        assert 2 <= trained <= 2 * 4 * 3
+        assert trained == pytest.approx(round(trained))  # a whole number of tokens
+        trained = round(trained)
+        assert trained % 2 == 0 and 2 <= trained <= 2 * 4 * 3
         flops = r["perf/mfu"] * r["perf/step_s"] * peak
         # prompts are "<|user|>\n...<|assistant|>\n" (>= 20 tokens each): at least the trained
         # completions' 6N x epochs, plus prompts and sampling; at most 40-token prompts
