@@ -410,7 +410,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
         step, before, after = resume_from(
             latest, policy, optimizer, scheduler, sampler, scaler=scaler, hooks=hooks
         )
-    push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
+    push_weights(policy, dist)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
         run_name=cfg.run.name, config=config_json(cfg), start_step=step,
@@ -458,7 +458,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
                 dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
                 # engine-vs-trainer mismatch; DiffusionNFT's old / AWM's EMA weights follow
                 metrics.update(workload.after_update(step, rollout))
-                push_weights(policy)  # the engine samples the next step with the new weights
+                push_weights(policy, dist)  # the engine samples the next step with the new weights
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
             logger.log(step, metrics)

@@ -18,8 +18,9 @@ seeds, processed log-probs, stop strings / EOS kept). One engine call at a time 
 several trainers are served in turn, not batched together.
 
 Versions: the server starts at version 0 (its model folder's weights) and adds 1 per push. A
-generate request with `min_version` v waits (up to the server's --request-timeout) for a push that
-brings the version to v and otherwise answers 409: it is never answered with older weights. Every
+generate request with `min_version` v = version + 1 waits (up to the server's --request-timeout)
+for the push that brings it, v further ahead is answered 409 at once; a request is never answered
+with older weights than it asked for. Every
 completion carries the version that produced it.
 
 Errors: JSON {"error": {"message", "type"}} with 400 (bad JSON or fields), 404 (route), 409
@@ -138,6 +139,14 @@ class VLLMServer:
                 "version": version}  # fmt: skip
 
     def _wait_version(self, needed: int) -> None:
+        """Waits for the next push when it brings the version asked for; further ahead: 409."""
+        if needed > self.version + 1:
+            raise ServerError(
+                409, f"weights version {needed} was asked for, but the server holds version "
+                f"{self.version} (a push adds 1): is this client talking to another run's "
+                "server, or was the server restarted? Resume the run (run.resume=true)",
+                "stale_weights",
+            )  # fmt: skip
         with self.changed:
             if not self.changed.wait_for(lambda: self.version >= needed, self.request_timeout_s):
                 raise ServerError(

@@ -12,7 +12,8 @@
     once (one extra copy of the weights in host memory) and reloads W = W0 + scaling * B @ A
     (computed in float32, cast to W0's dtype) with every other weight as in the folder. That
     is peft's merge for plain LoRA (no DoRA, fan_in_fan_out false), so the base model of the
-    trainer's peft policy must be the server's model folder.
+    trainer's peft policy must be the server's model folder. A tied head (tie_word_embeddings) is
+    sent as lm_head.weight too: without it vLLM kept its stale CPU copy of the head (measured).
 If loading fails part-way, the remaining tensors are still received (and dropped), so the trainer's
 broadcasts finish and the failure is reported to it over HTTP instead of as a timeout.
 """
@@ -87,6 +88,15 @@ class WeightReceiver:
             broadcast(group, t, timeout_s)
             yield p["name"], t
 
+    def _grouprl_base_weights(self) -> dict[str, torch.Tensor]:
+        base = base_weights(self.vllm_config.model_config.model)
+        tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and "lm_head.weight" not in base and "model.embed_tokens.weight" in base:
+            # a tied head is left out of the folder, but vLLM re-processes the head (CPU: its
+            # packed copy) only when lm_head.weight arrives, as it does in a full state dict
+            base["lm_head.weight"] = base["model.embed_tokens.weight"]
+        return base
+
     def grouprl_receive(self, kind: str, params: list[dict], scalings: dict[str, float]) -> int:
         """Receive and load one push; returns the count of tensors received."""
         if getattr(self, "_grouprl_channel", None) is None:
@@ -98,7 +108,7 @@ class WeightReceiver:
             elif kind == "lora":
                 adapters = dict(stream)  # small: only the adapters travel
                 if getattr(self, "_grouprl_base", None) is None:
-                    self._grouprl_base = base_weights(self.vllm_config.model_config.model)
+                    self._grouprl_base = self._grouprl_base_weights()
                 self.reload_weights(
                     weights_iterator=merge_lora(self._grouprl_base, adapters, scalings)
                 )
