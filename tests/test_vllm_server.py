@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -41,8 +42,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 REWARDS_PY = (
-    "def parity(completions, **_):\n"
-    "    return [float(sum(map(ord, c)) % 2) for c in completions]\n"
+    "def parity(completions, **_):\n    return [float(sum(map(ord, c)) % 2) for c in completions]\n"
 )
 
 
@@ -215,6 +215,7 @@ def test_a_generate_asking_for_the_next_version_waits_for_the_push(server, model
 
 def raw_config(out_dir, model_dir, url, reward_file, **over) -> dict:
     raw = {
+        "workload": {"type": "text"},
         "run": {"name": "r", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
                 "console": False, "num_threads": 1},
         "model": {"name_or_path": str(model_dir)},
@@ -250,8 +251,12 @@ def test_two_trainer_processes_match_one_against_the_server(server, model_dir, t
     w0 = load_file(model_dir / "model.safetensors")
     assert max_diff(w1, w0) > 1e-3  # training moved the weights
     assert max_diff(w1, w2) < 5e-5
-    rows = [json.loads(x) for x in (Path(one["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    rows2 = [json.loads(x) for x in (tmp_path / "two" / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(one["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    rows2 = [
+        json.loads(x) for x in (tmp_path / "two" / "r" / "metrics.jsonl").read_text().splitlines()
+    ]
     train1 = [r for r in rows if r["split"] == "train"]
     train2 = [r for r in rows2 if r["split"] == "train"]
     assert [r["step"] for r in train2] == [1, 2, 3]
@@ -280,7 +285,10 @@ def test_a_killed_server_is_a_clear_error_and_the_run_resumes(server, model_dir,
     ))  # fmt: skip
     raw = raw_config(tmp_path, model_dir, server.url, reward_file)
     raw["rewards"].append({"name": f"{reward_file}:killer", "weight": 0.0})
-    with pytest.raises(ServerUnavailable, match="did not answer .*run.resume=true"):
+    url = re.escape(server.url)
+    with pytest.raises(
+        ServerUnavailable, match=f"vLLM server {url} did not answer .*run.resume=true"
+    ):
         train(validate(apply_overrides(raw, [])))  # step 2's push finds the server gone
     server.proc.wait(10)
     assert [p.name for p in CheckpointManager(tmp_path / "r").complete()] == ["step-00000001"]

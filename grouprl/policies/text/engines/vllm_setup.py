@@ -174,7 +174,8 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
     if world > 1:
         raise ValueError(
             f"rollout.engine 'vllm' hosts one in-process engine per job; this job has {world} "
-            "processes (WORLD_SIZE), which is not supported yet: use rollout.engine 'hf' there"
+            "processes (WORLD_SIZE), which is not supported: use rollout.engine 'vllm_server' (a "
+            "`grouprl vllm-serve` process all trainer processes share) or 'hf' / 'fast' there"
         )
     m, v = cfg.model, cfg.rollout.vllm
     async_mode = getattr(cfg.train, "async_mode", "off")

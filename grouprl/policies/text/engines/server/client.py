@@ -276,10 +276,13 @@ class VLLMServerEngine:
         group = self._ensure_channel()
         t = self.weight_timeout_s
         params = [{"name": n, "shape": list(s), "dtype": _dtype_name(d)} for n, s, d, _ in specs]
-        self._call("POST", "/weights/update", {"kind": kind, "params": params, "scalings": scalings})
+        self._call(
+            "POST", "/weights/update", {"kind": kind, "params": params, "scalings": scalings}
+        )
         device = channel_device(self.backend)
+        name = None
         try:
-            for name, _, dtype, get in specs:
+            for name, _, dtype, get in specs:  # noqa: B007 (named in the error below)
                 t_full = get()
                 tensor = t_full.detach().to(device=device, dtype=dtype).contiguous()
                 broadcast(group, tensor, t)
