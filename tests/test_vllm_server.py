@@ -265,6 +265,39 @@ def test_two_trainer_processes_match_one_against_the_server(server, model_dir, t
         assert a["engine/logp_abs_diff_max"] < TOL  # sampled with the pushed weights
 
 
+@pytest.mark.slow
+def test_fsdp2_trainers_stream_their_weights_to_the_server(server, model_dir, tmp_path):
+    """FSDP2 forced onto 2 CPU processes (tests/test_distributed.py's FORCE_FSDP2): the push
+    gathers one parameter at a time (FSDP2.stream_full_weights) and the main process broadcasts
+    it; the run matches one process against the same server."""
+    from grouprl.train import train
+    from tests.test_distributed import FORCE_FSDP2, _free_port, max_diff
+
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(REWARDS_PY)
+    script = tmp_path / "force_fsdp2.py"
+    script.write_text(FORCE_FSDP2)
+    cfg_path = tmp_path / "two.yaml"
+    raw = raw_config(tmp_path / "two", model_dir, server.url, reward_file)
+    cfg_path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(_free_port()),
+           str(script), "train", str(cfg_path)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one = train(validate(apply_overrides(
+        raw_config(tmp_path / "one", model_dir, server.url, reward_file), [])))  # fmt: skip
+    w1 = load_file(CheckpointManager(one["run_dir"]).latest() / "model" / "model.safetensors")
+    w2 = load_file(CheckpointManager(tmp_path / "two" / "r").latest() / "model" /
+                   "model.safetensors")  # fmt: skip
+    assert max_diff(w1, w2) < 5e-5
+    rows = (tmp_path / "two" / "r" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in rows if json.loads(x)["split"] == "train"]
+    assert len(steps) == 3 and all(r["engine/logp_abs_diff_max"] < TOL for r in steps)
+
+
 def test_a_killed_server_is_a_clear_error_and_the_run_resumes(server, model_dir, tmp_path):
     from grouprl.policies.text.engines.server.client import ServerUnavailable
     from grouprl.train import train

@@ -226,8 +226,9 @@ class VLLMServerEngine:
         the trainer's Dist (is_main, world, broadcast_object), None for one process."""
         main = processes is None or processes.is_main
         stream = getattr(getattr(policy, "backend", None), "stream_full_weights", None)
-        if stream is not None and getattr(policy, "lora", None) is None:
-            specs, kind, scalings, collective = stream(), "full", {}, True
+        streamed = stream() if stream is not None else None  # sharded parameters only
+        if streamed is not None:
+            specs, kind, scalings, collective = streamed, "full", {}, True
         else:
             specs, kind, scalings = weight_specs(policy.model)
             collective = False
