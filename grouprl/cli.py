@@ -154,6 +154,7 @@ BENCHMARKS = {
     "async-speedup": "async_speedup.py",
     "http-reward-overlap": "http_reward_overlap.py",
     "tree-agents": "tree_agents.py",
+    "server-scaling": "server_scaling.py",
 }
 
 

@@ -3,7 +3,8 @@ shared by 1..N trainer processes, plus the weight-update channel (channel.py, wo
 
 Endpoints (stdlib `http.server`, one thread per connection, like rollouts/gateway/server.py):
   GET  /health           {"ok": true}
-  GET  /info             model, dtype, tensor_parallel_size, weight version, instance id, eos ids
+  GET  /info             model, dtype, tensor_parallel_size, weight version, instance id, eos ids,
+                         stats (engine seconds and tokens generated, pushes and their seconds)
   POST /generate         {prompt_token_ids: [[int]], seeds?: [int] (one per prompt),
                           sampling: {temperature, top_p, top_k, max_new_tokens, stop}, greedy?,
                           min_version?} -> {completion_ids, logprobs, truncated, versions, version}
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -80,6 +82,8 @@ class VLLMServer:
         self._op_error: BaseException | None = None
         self._op_name = ""
         self._http: ThreadingHTTPServer | None = None
+        self.stats = {"generate_s": 0.0, "generated_tokens": 0, "requests": 0, "pushes": 0,
+                      "push_s": 0.0}  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -94,7 +98,7 @@ class VLLMServer:
 
     def describe(self) -> dict:
         return {**self.info, "version": self.version, "instance": self.instance,
-                "eos_ids": list(self.engine.eos_ids)}  # fmt: skip
+                "eos_ids": list(self.engine.eos_ids), "stats": dict(self.stats)}  # fmt: skip
 
     def generate(self, body: dict) -> dict:
         unknown = set(body) - GENERATE_FIELDS
@@ -128,10 +132,14 @@ class VLLMServer:
             version = self.version  # pushes take the same lock: these weights are this version
             if version < min_version:  # cannot happen (versions only grow); kept as the rule
                 raise ServerError(409, f"weights version {version} < min_version {min_version}")
+            start = time.perf_counter()
             try:
                 out = self.engine.generate(prompts, params, greedy=greedy, seeds=seeds)
             except ValueError as exc:  # empty prompt, seed count ...
                 raise ServerError(400, str(exc)) from None
+            self.stats["generate_s"] += time.perf_counter() - start
+            self.stats["generated_tokens"] += sum(len(c) for c in out.completion_ids)
+            self.stats["requests"] += 1
         finally:
             self.lock.release()
         return {"completion_ids": out.completion_ids, "logprobs": out.logprobs,
@@ -191,9 +199,12 @@ class VLLMServer:
         def receive() -> None:
             self.engine._wake()  # sleep is GPU only; a no-op otherwise
             with self._locked("weight receive"):
+                start = time.perf_counter()
                 self.engine.llm.collective_rpc("grouprl_receive", args=(kind, params, scalings))
                 if not self.engine.llm.reset_prefix_cache():
                     raise RuntimeError("vLLM refused to reset its prefix cache after a push")
+                self.stats["push_s"] += time.perf_counter() - start
+                self.stats["pushes"] += 1
                 with self.changed:
                     self.version += 1
                     self.changed.notify_all()

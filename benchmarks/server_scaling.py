@@ -1,0 +1,213 @@
+"""Scaling out generation: 2 trainer processes + a `grouprl vllm-serve` server vs 1 process + the
+in-process vLLM engine vs 1 process + the server, on the arithmetic demo's model and config.
+
+  inproc     1 trainer, rollout.engine vllm (an in-process vllm.LLM, colocated)
+  server1    1 trainer, rollout.engine vllm_server (a `grouprl vllm-serve` process, gloo channel)
+  server2    2 trainers under `accelerate launch` (DDP, gloo) sharing that server
+
+Model and config: the demo's tiny Qwen2 (grouprl/demos/arithmetic.py MODEL: hidden 128, 2 layers,
+4 heads / 2 KV heads, random weights: no warm-up, throughput does not depend on it) and
+configs/text/arithmetic_demo.yaml (32 prompts x 8 samples per step, <= 6 new tokens), with
+rollout.seeding per_sample, `--steps` steps, no held-out evaluation during the run.
+
+Seconds/step: median over steps 2..N of the gaps between consecutive train rows' "time" stamps in
+metrics.jsonl (step 1 holds warm-up). Generate seconds: engine time per step (in-process: the
+VLLMEngine.generate calls of the trainer, timed in its process; server: the server's own
+`stats.generate_s` from GET /info, summed over the trainers' requests, which it serves one at a
+time). The rest of a step (rewards, scoring, update, weight push) = step - generate for one
+process. Tokens/s = completion tokens generated per second of step.
+
+One server serves server1 and server2 (started once, its start-up time reported apart). Each run is
+its own process. Not part of the test suite; nothing here asserts on time.
+
+Run: python benchmarks/server_scaling.py [--steps 6] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+ROOT = C.ROOT
+RUNS = ("inproc", "server1", "server2")
+
+
+def build_model(directory: Path) -> Path:
+    from grouprl.demos.arithmetic import MODEL
+    from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
+
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0, **MODEL)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def config(out: Path, model: Path, steps: int, engine: str, url: str, threads: int) -> Path:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "text" / "arithmetic_demo.yaml").read_text())
+    raw["run"].update(name=engine, output_dir=str(out), console=False, num_threads=threads,
+                      device="cpu")  # fmt: skip
+    raw["model"]["name_or_path"] = str(model)
+    raw["rollout"].update(engine=engine, seeding="per_sample")
+    if engine == "vllm_server":
+        raw["rollout"]["server"] = {"url": url}
+    else:
+        raw["rollout"]["vllm"] = {"gpu_memory_utilization": 0.1}
+    raw["train"]["steps"] = steps
+    raw["eval"] = {"every": 0, "max_examples": 8}
+    raw["checkpoint"] = {"every": 0}
+    path = out / f"{engine}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+INPROC_WORKER = """
+import json, sys, time
+from grouprl.policies.text.engines.vllm import VLLMEngine
+from grouprl.config.loading import load_config
+from grouprl.train import train
+spent = {"s": 0.0, "tokens": 0}
+real = VLLMEngine.generate
+def timed(self, *a, **k):
+    t = time.perf_counter(); out = real(self, *a, **k)
+    spent["s"] += time.perf_counter() - t
+    spent["tokens"] += sum(len(c) for c in out.completion_ids)
+    return out
+VLLMEngine.generate = timed
+if __name__ == "__main__":
+    train(load_config(sys.argv[1], []))
+    print("RESULT " + json.dumps(spent))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, env: dict, log: Path) -> tuple[subprocess.Popen, str, float]:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "grouprl", "vllm-serve", "--model", str(model), "--port", "0",
+           "--gpu-memory-utilization", "0.1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if "ready at " in line:
+                return proc, line.split("ready at ", 1)[1].strip(), time.perf_counter() - t0
+    proc.kill()
+    raise SystemExit(f"vllm-serve did not start; see {log}")
+
+
+def stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/info", timeout=30) as r:
+        return json.loads(r.read())["stats"]
+
+
+def step_times(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    t = [r["time"] for r in rows if r["split"] == "train"]
+    return [b - a for a, b in zip(t, t[1:])]  # steps 2..N
+
+
+def run(name: str, out: Path, model: Path, args: dict, env: dict, url: str) -> dict[str, Any]:
+    engine = "vllm" if name == "inproc" else "vllm_server"
+    cfg = config(out / name, model, args["steps"], engine, url, args["threads"])
+    t0 = time.perf_counter()
+    before = stats(url) if url else None
+    if name == "inproc":
+        script = out / "inproc_worker.py"
+        script.write_text(INPROC_WORKER)
+        cmd = [sys.executable, str(script), str(cfg)]
+    elif name == "server1":
+        cmd = [sys.executable, "-m", "grouprl", "train", str(cfg)]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
+               "--num_processes", "2", "--main_process_port", str(free_port()),
+               "-m", "grouprl", "train", str(cfg)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    wall = time.perf_counter() - t0
+    steps = step_times(out / name / engine)
+    if name == "inproc":
+        spent = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+        gen_s, tokens = spent["s"], spent["tokens"]
+    else:
+        after = stats(url)
+        gen_s = after["generate_s"] - before["generate_s"]
+        tokens = after["generated_tokens"] - before["generated_tokens"]
+    n_steps = args["steps"]
+    step_s = statistics.median(steps)
+    return {"run": name, "wall_s": wall, "step_s": step_s, "all_step_s": steps,
+            "generate_s_per_step": gen_s / n_steps, "rest_s_per_step": step_s - gen_s / n_steps,
+            "tokens_per_step": tokens / n_steps, "tokens_per_s": tokens / n_steps / step_s}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per trainer process")
+    ap.add_argument("--out", default=str(C.RESULTS), help="folder for the JSON and PNG")
+    args = vars(ap.parse_args())
+    env = {**os.environ, "OMP_NUM_THREADS": str(args["threads"]), "PYTHONPATH": str(ROOT),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+    results: dict[str, Any] = {"settings": args, "machine": C.machine_info(args["threads"])}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        model = build_model(out / "model")
+        results["inproc"] = run("inproc", out, model, args, env, "")
+        proc, url, start_s = start_server(model, env, out / "server.log")
+        results["server_start_s"] = start_s
+        try:
+            for name in ("server1", "server2"):
+                results[name] = run(name, out, model, args, env, url)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print_table(results)
+    path = Path(args["out"])
+    print(f"JSON: {C.write_json(path / 'server_scaling.json', results)}")
+    png = C.bar_png(
+        path / "server_scaling.png",
+        [("seconds / step", {n: [results[n]["generate_s_per_step"], results[n]["rest_s_per_step"],
+                                 results[n]["step_s"]] for n in RUNS}, ["generate", "rest", "step"]),
+         ("completion tokens / s of step", {n: [results[n]["tokens_per_s"]] for n in RUNS},
+          ["throughput"])],
+        f"arithmetic demo model, {args['steps']} steps, {args['threads']} thread(s) per trainer",
+    )  # fmt: skip
+    print(f"PNG: {png}")
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"machine: {C.describe_machine(r['machine'])}")
+    print(f"server start-up: {r['server_start_s']:.1f} s")
+    rows = [[n, f"{r[n]['step_s']:.2f}", f"{r[n]['generate_s_per_step']:.2f}",
+             f"{r[n]['rest_s_per_step']:.2f}", f"{r[n]['tokens_per_step']:.0f}",
+             f"{r[n]['tokens_per_s']:.0f}", f"{r['inproc']['step_s'] / r[n]['step_s']:.2f}"]
+            for n in RUNS]  # fmt: skip
+    print(C.format_table(["run", "s/step", "generate s/step", "rest s/step", "tokens/step",
+                          "tokens/s", "speed vs inproc"], rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
