@@ -72,6 +72,7 @@ def config(out: Path, model: Path, steps: int, engine: str, url: str, threads: i
     raw["train"]["steps"] = steps
     raw["eval"] = {"every": 0, "max_examples": 8}
     raw["checkpoint"] = {"every": 0}
+    out.mkdir(parents=True, exist_ok=True)
     path = out / f"{engine}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

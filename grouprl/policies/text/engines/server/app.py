@@ -172,8 +172,12 @@ class VLLMServer:
         world = 1 + int(self.info["tensor_parallel_size"])
         args = (str(body["host"]), int(body["port"]), str(body["tag"]), body["backend"],
                 float(body["timeout_s"]), world)  # fmt: skip
-        self._start_op("channel join", lambda: self.engine.llm.collective_rpc(
-            "grouprl_join_channel", args=args, timeout=float(body["timeout_s"]) + 5))  # fmt: skip
+
+        def join() -> None:
+            with self._locked("channel join"):
+                self.engine.llm.collective_rpc("grouprl_join_channel", args=args)
+
+        self._start_op("channel join", join)
         return {"world": world}
 
     def start_update(self, body: dict) -> dict:

@@ -141,6 +141,7 @@ class VLLMServerEngine:
         self._needed = info["version"]  # the server version generate asks for at least
         self._base: int | None = None  # the server version of this run's version 0
         self._start = info["version"]
+        self._store: Any = None  # the channel's TCPStore, served by this process
         self._channel: tuple[Any, Any, str] | None = None  # (store, group, server instance)
         self.reseed(seed)
 
@@ -255,8 +256,9 @@ class VLLMServerEngine:
         if info["instance"] != self.instance:  # a restarted server: its versions start anew
             self.instance, self._base, self._start = info["instance"], None, info["version"]
         t = self.weight_timeout_s
-        store = host_store(self.channel_host, self.channel_port, t)
-        tag = uuid.uuid4().hex
+        if self._store is None:  # one store per client: a new channel is a new tag in it
+            self._store = host_store(self.channel_host, self.channel_port, t)
+        store, tag = self._store, uuid.uuid4().hex
         world = self._call("POST", "/weights/channel", {
             "host": self.channel_host, "port": store.port, "tag": tag,
             "backend": self.backend, "timeout_s": t})["world"]  # fmt: skip
