@@ -11,11 +11,13 @@ configs/text/arithmetic_demo.yaml (32 prompts x 8 samples per step, <= 6 new tok
 rollout.seeding per_sample, `--steps` steps, no held-out evaluation during the run.
 
 Seconds/step: median over steps 2..N of the gaps between consecutive train rows' "time" stamps in
-metrics.jsonl (step 1 holds warm-up). Generate seconds: engine time per step (in-process: the
-VLLMEngine.generate calls of the trainer, timed in its process; server: the server's own
-`stats.generate_s` from GET /info, summed over the trainers' requests, which it serves one at a
-time). The rest of a step (rewards, scoring, update, weight push) = step - generate for one
-process. Tokens/s = completion tokens generated per second of step.
+metrics.jsonl (step 1 holds warm-up). Generate seconds: the main trainer process's wall time inside
+its engine's `generate` calls within each step (for server2 that includes waiting behind the other
+trainer's request: the server serves one request at a time); rest = step - generate (rewards,
+scoring, update, weight push, and for server2 the gather of the other process's groups).
+Tokens/s = completion tokens generated per step (both trainers for server2; the main process's
+count x 2, the shares being equal) / seconds per step. The engine calls are timed by wrapping
+`generate` in a small launcher script (benchmarks only; grouprl itself logs perf/ metrics).
 
 One server serves server1 and server2 (started once, its start-up time reported apart). Each run is
 its own process. Not part of the test suite; nothing here asserts on time.
@@ -35,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -78,22 +79,28 @@ def config(out: Path, model: Path, steps: int, engine: str, url: str, threads: i
     return path
 
 
-INPROC_WORKER = """
-import json, sys, time
+WORKER = """
+import atexit, json, os, sys, time
+from grouprl.policies.text.engines.server.client import VLLMServerEngine
 from grouprl.policies.text.engines.vllm import VLLMEngine
-from grouprl.config.loading import load_config
-from grouprl.train import train
-spent = {"s": 0.0, "tokens": 0}
-real = VLLMEngine.generate
-def timed(self, *a, **k):
-    t = time.perf_counter(); out = real(self, *a, **k)
-    spent["s"] += time.perf_counter() - t
-    spent["tokens"] += sum(len(c) for c in out.completion_ids)
-    return out
-VLLMEngine.generate = timed
+calls = []  # (start, end, completion tokens) of every generate call of this process
+
+def timed(real):
+    def generate(self, *a, **k):
+        t = time.time()
+        out = real(self, *a, **k)
+        calls.append((t, time.time(), sum(len(c) for c in out.completion_ids)))
+        return out
+    return generate
+
+VLLMEngine.generate = timed(VLLMEngine.generate)
+VLLMServerEngine.generate = timed(VLLMServerEngine.generate)
+rank = os.environ.get("RANK", "0")
+atexit.register(lambda: open(os.path.join(sys.argv[1], f"calls_{rank}.json"), "w").write(
+    json.dumps(calls)))
+from grouprl.cli import main
 if __name__ == "__main__":
-    train(load_config(sys.argv[1], []))
-    print("RESULT " + json.dumps(spent))
+    sys.exit(main(sys.argv[2:]))
 """
 
 
@@ -118,50 +125,37 @@ def start_server(model: Path, env: dict, log: Path) -> tuple[subprocess.Popen, s
     raise SystemExit(f"vllm-serve did not start; see {log}")
 
 
-def stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/info", timeout=30) as r:
-        return json.loads(r.read())["stats"]
-
-
-def step_times(run_dir: Path) -> list[float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    t = [r["time"] for r in rows if r["split"] == "train"]
-    return [b - a for a, b in zip(t, t[1:])]  # steps 2..N
-
-
 def run(name: str, out: Path, model: Path, args: dict, env: dict, url: str) -> dict[str, Any]:
     engine = "vllm" if name == "inproc" else "vllm_server"
     cfg = config(out / name, model, args["steps"], engine, url, args["threads"])
+    script = out / "worker.py"
+    script.write_text(WORKER)
     t0 = time.perf_counter()
-    before = stats(url) if url else None
-    if name == "inproc":
-        script = out / "inproc_worker.py"
-        script.write_text(INPROC_WORKER)
-        cmd = [sys.executable, str(script), str(cfg)]
-    elif name == "server1":
-        cmd = [sys.executable, "-m", "grouprl", "train", str(cfg)]
-    else:
+    worker = [str(script), str(out / name), "train", str(cfg)]
+    if name == "server2":
         cmd = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
-               "--num_processes", "2", "--main_process_port", str(free_port()),
-               "-m", "grouprl", "train", str(cfg)]  # fmt: skip
+               "--num_processes", "2", "--main_process_port", str(free_port()), *worker]  # fmt: skip
+    else:
+        cmd = [sys.executable, *worker]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     wall = time.perf_counter() - t0
-    steps = step_times(out / name / engine)
-    if name == "inproc":
-        spent = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
-        gen_s, tokens = spent["s"], spent["tokens"]
-    else:
-        after = stats(url)
-        gen_s = after["generate_s"] - before["generate_s"]
-        tokens = after["generated_tokens"] - before["generated_tokens"]
-    n_steps = args["steps"]
-    step_s = statistics.median(steps)
+    rows = [json.loads(x) for x in (out / name / engine / "metrics.jsonl").read_text().splitlines()]
+    stamps = [r["time"] for r in rows if r["split"] == "train"]
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]  # steps 2..N (step 1 holds warm-up)
+    calls = json.loads((out / name / "calls_0.json").read_text())  # the main process's view
+    gen, tokens = [], []
+    for a, b in zip(stamps, stamps[1:]):
+        mine = [c for c in calls if a < c[0] <= b]
+        gen.append(sum(c[1] - c[0] for c in mine))
+        tokens.append(sum(c[2] for c in mine) * (2 if name == "server2" else 1))
+    step_s, gen_s = statistics.median(steps), statistics.median(gen)
     return {"run": name, "wall_s": wall, "step_s": step_s, "all_step_s": steps,
-            "generate_s_per_step": gen_s / n_steps, "rest_s_per_step": step_s - gen_s / n_steps,
-            "tokens_per_step": tokens / n_steps, "tokens_per_s": tokens / n_steps / step_s}  # fmt: skip
+            "generate_s_per_step": gen_s, "rest_s_per_step": step_s - gen_s,
+            "tokens_per_step": statistics.median(tokens),
+            "tokens_per_s": statistics.median(tokens) / step_s}  # fmt: skip
 
 
 def main() -> None:
