@@ -122,9 +122,10 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _server_options_need_the_server(self) -> RolloutConfig:
-        if "server" in self.model_fields_set and self.engine != "vllm_server":
+        # compared with the defaults, not model_fields_set: a resolved config spells them all out
+        if self.engine != "vllm_server" and self.server != VLLMServerConfig():
             raise ValueError(
-                f"rollout.server is set but rollout.engine is {self.engine!r}; its options apply "
+                f"rollout.server is set (not its defaults) but rollout.engine is {self.engine!r}; its options apply "
                 "to rollout.engine 'vllm_server' only"
             )
         return self
