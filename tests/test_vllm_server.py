@@ -210,6 +210,49 @@ def test_a_generate_asking_for_the_next_version_waits_for_the_push(server, model
     assert got["out"][0] == 200 and got["out"][1]["versions"] == [now + 1]
 
 
+class EchoEnv:
+    """Two turns; reward 1 when the action has a digit (tests/test_vllm_engine.py's)."""
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return f"start {seed}", {}
+
+    def step(self, action: str):
+        self.t += 1
+        return f"turn {self.t}", float(any(c.isdigit() for c in action)), self.t >= 2, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_agents_and_the_gateway_run_unchanged_on_the_server_engine(server, model_dir):
+    from grouprl.rollouts.gateway import EPISODE_HEADER, Gateway
+    from grouprl.rollouts.multi_turn import collect_episodes
+
+    engine = engine_for(server.url)
+    policy = CausalLMPolicy.from_pretrained(str(model_dir), engine=engine)
+    perturb(policy.model)
+    engine.load_weights(policy.model)
+    r = collect_episodes(policy, EchoEnv, [0, 1], 2, SamplingParams(max_new_tokens=6), max_turns=2)
+    assert len(r) == 4 and r.mask.any(-1).all()
+    assert trainer_gap(policy, r) < TOL  # assistant tokens only (env tokens masked)
+    with Gateway(policy, SamplingParams(max_new_tokens=4), request_timeout_s=30.0) as gw:
+        gw.episodes.open("e")
+        body = {"model": "grouprl-policy", "prompt": "12+3=", "max_tokens": 4, "logprobs": 1}
+        req = urllib.request.Request(gw.base_url + "/completions", json.dumps(body).encode(),
+                                     headers={EPISODE_HEADER: "e",
+                                              "Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            out = json.loads(resp.read())
+        call = gw.episodes.end("e").calls[0]
+    assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(call.logprobs)
+    ids = torch.tensor([call.prompt_ids + call.completion_ids])  # [1, P + T]
+    with torch.no_grad():
+        logits = policy.model(ids).logits[0, len(call.prompt_ids) - 1 : -1]  # [T, V]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(call.completion_ids)[:, None])
+    assert float((ref[:, 0] - torch.tensor(call.logprobs)).abs().max()) < TOL
+
+
 # ---- training ------------------------------------------------------------------------------------
 
 
