@@ -49,11 +49,12 @@ REWARDS_PY = (
 class Server:
     """A `grouprl vllm-serve` subprocess on a free port."""
 
-    def __init__(self, model_dir: Path, log: Path) -> None:
+    def __init__(self, model_dir: Path, log: Path, *extra: str, env: dict | None = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-               "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+               "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}  # fmt: skip
         cmd = [sys.executable, "-m", "grouprl", "vllm-serve", "--model", str(model_dir),
-               "--port", "0", "--gpu-memory-utilization", "0.1", "--request-timeout", "30"]  # fmt: skip
+               "--port", "0", "--gpu-memory-utilization", "0.1", "--request-timeout", "30",
+               *extra]  # fmt: skip
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=open(log, "w"), text=True)  # fmt: skip
@@ -339,6 +340,34 @@ def test_fsdp2_trainers_stream_their_weights_to_the_server(server, model_dir, tm
     rows = (tmp_path / "two" / "r" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in rows if json.loads(x)["split"] == "train"]
     assert len(steps) == 3 and all(r["engine/logp_abs_diff_max"] < TOL for r in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="2 tensor-parallel CPU workers need 2 cores")
+def test_tensor_parallel_workers_all_join_the_channel(model_dir, tmp_path):
+    """--tensor-parallel-size 2 on vllm-cpu (2 worker processes, one core each): both workers
+    join the channel (world 3) and receive every push; full and LoRA pushes match the trainer."""
+    tp = Server(model_dir, tmp_path / "tp2.log", "--tensor-parallel-size", "2",
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    try:
+        engine = engine_for(tp.url)
+        assert engine.info()["tensor_parallel_size"] == 2
+        policy = CausalLMPolicy.from_pretrained(str(model_dir), engine=engine)
+        perturb(policy.model)
+        engine.load_weights(policy.model)
+        r = policy.sample(["12+3=", "7+8="], 4, SamplingParams(max_new_tokens=8))
+        assert trainer_gap(policy, r) < TOL
+        lora = CausalLMPolicy.from_pretrained(str(model_dir), engine=engine,
+                                              lora={"r": 4, "alpha": 8})  # fmt: skip
+        with torch.no_grad():
+            for n, p in lora.model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.3)
+        engine.load_weights(lora.model)
+        r = lora.sample(["12+3=", "7+8="], 4, SamplingParams(max_new_tokens=8))
+        assert trainer_gap(lora, r) < TOL
+    finally:
+        tp.stop()
 
 
 def test_a_killed_server_is_a_clear_error_and_the_run_resumes(server, model_dir, tmp_path):

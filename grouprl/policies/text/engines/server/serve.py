@@ -4,6 +4,7 @@ extension for the weight channel) and answer the HTTP API of app.py until interr
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 WORKER_EXTENSION = "grouprl.policies.text.engines.server.worker.WeightReceiver"
@@ -28,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(args: argparse.Namespace) -> int:
     from grouprl.policies.text.engines.server.app import VLLMServer
     from grouprl.policies.text.engines.vllm import VLLMEngine
@@ -50,6 +55,7 @@ def serve(args: argparse.Namespace) -> int:
     state = VLLMServer(engine, info, request_timeout_s=args.request_timeout)
     http = state.serve(args.host, args.port)
     host, port = http.server_address[:2]
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops it like Ctrl-C, workers too
     print(f"grouprl vllm-serve: ready at http://{host}:{port}", flush=True)
     try:
         http.serve_forever()
@@ -57,5 +63,8 @@ def serve(args: argparse.Namespace) -> int:
         pass
     finally:
         http.server_close()
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):  # tensor parallel: its worker processes
+            core.shutdown()
     print("grouprl vllm-serve: stopped", file=sys.stderr, flush=True)
     return 0
