@@ -61,6 +61,7 @@ class Server:
                "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}  # fmt: skip
         cmd = [sys.executable, "-m", "grouprl", "vllm-serve", "--model", str(model_dir),
                "--port", "0", "--gpu-memory-utilization", "0.1", "--request-timeout", "30",
+               "--batch-window-ms", "100",
                *extra]  # fmt: skip
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
@@ -157,6 +158,28 @@ def test_api_ids_logprobs_versions_and_errors(server, model_dir):
         assert status == code, (req, err)
         assert err["error"]["message"]
     assert post(server.url, "/nope", body)[0] == 404
+    # two requests at once run as one engine call and get what each would get alone
+    with urllib.request.urlopen(server.url + "/info", timeout=10) as r:
+        before = json.loads(r.read())["stats"]
+    results, go = {}, threading.Barrier(2)
+
+    def ask(key, req):
+        go.wait()
+        results[key] = post(server.url, "/generate", req)
+
+    other = {**body, "prompt_token_ids": [[8, 9]], "seeds": [77]}
+    threads = [threading.Thread(target=ask, args=(k, b)) for k, b in (("a", body), ("b", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    with urllib.request.urlopen(server.url + "/info", timeout=10) as r:
+        after = json.loads(r.read())["stats"]
+    assert after["requests"] - before["requests"] == 2 and after["batches"] - before["batches"] == 1
+    assert results["a"][1]["completion_ids"] == out["completion_ids"]
+    alone = post(server.url, "/generate", other)[1]
+    assert results["b"][1]["completion_ids"] == alone["completion_ids"]
+    assert results["b"][1]["logprobs"][0] == pytest.approx(alone["logprobs"][0], abs=1e-5)
     assert post(server.url, "/weights/update", {"kind": "full", "params": []})[0] == 400
 
 

@@ -15,8 +15,11 @@ Endpoints (stdlib `http.server`, one thread per connection, like rollouts/gatewa
   POST /weights/finish   {timeout_s}: waits for the receive to end, resets the prefix cache,
                           version += 1 -> {version}
 Generation semantics are VLLMEngine's (prompt runs -> one request with n samples, per-completion
-seeds, processed log-probs, stop strings / EOS kept). One engine call at a time (a lock); calls of
-several trainers are served in turn, not batched together.
+seeds, processed log-probs, stop strings / EOS kept). Requests are batched: the first waiting
+request and those that arrive within --batch-window-ms (or wait while the engine is busy) with equal
+sampling settings run as one engine call, so the shares of several trainers are generated
+together. A request without seeds gets them drawn when it arrives, and every completion has its
+own seed, so a request's samples do not depend on what it was batched with.
 
 Versions: the server starts at version 0 (its model folder's weights) and adds 1 per push. A
 generate request with `min_version` v = version + 1 waits (up to the server's --request-timeout)
@@ -32,18 +35,41 @@ past the timeout), 500 (an engine or channel failure, named).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.base import (
+    GenerationOutput,
+    SamplingParams,
+    check_generate_args,
+)
 from grouprl.policies.text.engines.server.channel import DTYPES
 
 MAX_BODY = 64 << 20  # bytes (prompt ids of a large batch)
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop"}
 GENERATE_FIELDS = {"prompt_token_ids", "seeds", "sampling", "greedy", "min_version"}
+
+
+@dataclass
+class _Job:
+    """One generate request waiting for the engine."""
+
+    prompts: list[list[int]]
+    seeds: list[int]
+    params: SamplingParams
+    greedy: bool
+    done: Future = field(default_factory=Future)
+
+    def key(self) -> tuple:
+        p = self.params
+        return (p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop), self.greedy)
 
 
 class ServerError(Exception):
@@ -71,9 +97,15 @@ class VLLMServer:
     request_timeout_s: how long a request waits for the engine or for a weight version.
     """
 
-    def __init__(self, engine: Any, info: dict, *, request_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, engine: Any, info: dict, *, request_timeout_s: float = 600.0,
+        batch_window_s: float = 0.01,
+    ) -> None:  # fmt: skip
         self.engine, self.info = engine, dict(info)
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.batch_window_s = request_timeout_s, batch_window_s
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._seed_lock = threading.Lock()
+        threading.Thread(target=self._batch_loop, name="grouprl-batcher", daemon=True).start()
         self.instance = uuid.uuid4().hex
         self.version = 0
         self.lock = threading.Lock()  # one engine call at a time
@@ -82,7 +114,8 @@ class VLLMServer:
         self._op_error: BaseException | None = None
         self._op_name = ""
         self._http: ThreadingHTTPServer | None = None
-        self.stats = {"generate_s": 0.0, "generated_tokens": 0, "requests": 0, "pushes": 0,
+        self.stats = {"generate_s": 0.0, "generated_tokens": 0, "requests": 0, "batches": 0,
+                      "pushes": 0,
                       "push_s": 0.0}  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -125,26 +158,76 @@ class VLLMServer:
         min_version = body.get("min_version", 0)
         if not isinstance(min_version, int) or min_version < 0:
             raise ServerError(400, f"min_version must be an int >= 0, got {min_version!r}")
-        self._wait_version(min_version)
-        if not self.lock.acquire(timeout=self.request_timeout_s):
-            raise ServerError(503, f"the engine stayed busy for {self.request_timeout_s}s", "busy")
         try:
-            version = self.version  # pushes take the same lock: these weights are this version
-            if version < min_version:  # cannot happen (versions only grow); kept as the rule
-                raise ServerError(409, f"weights version {version} < min_version {min_version}")
-            start = time.perf_counter()
-            try:
-                out = self.engine.generate(prompts, params, greedy=greedy, seeds=seeds)
-            except ValueError as exc:  # empty prompt, seed count ...
-                raise ServerError(400, str(exc)) from None
-            self.stats["generate_s"] += time.perf_counter() - start
-            self.stats["generated_tokens"] += sum(len(c) for c in out.completion_ids)
-            self.stats["requests"] += 1
-        finally:
-            self.lock.release()
+            check_generate_args("generate", prompts, seeds)
+        except ValueError as exc:
+            raise ServerError(400, str(exc)) from None
+        self._wait_version(min_version)
+        if not prompts:
+            return {"completion_ids": [], "logprobs": [], "truncated": [], "versions": [],
+                    "version": self.version}  # fmt: skip
+        if seeds is None:  # drawn now, so a request's samples do not depend on its batch
+            with self._seed_lock:
+                seeds = self.engine.request_seeds(len(prompts))
+        job = _Job(prompts, seeds, params, greedy)
+        self._jobs.put(job)
+        try:
+            out, version = job.done.result(timeout=self.request_timeout_s)
+        except FutureTimeout:
+            raise ServerError(503, f"no result within {self.request_timeout_s}s (engine busy)",
+                              "busy") from None  # fmt: skip
         return {"completion_ids": out.completion_ids, "logprobs": out.logprobs,
                 "truncated": out.truncated, "versions": [version] * len(out.completion_ids),
                 "version": version}  # fmt: skip
+
+    def _batch_loop(self) -> None:
+        """Takes the first waiting request, gathers those arriving within the batch window (and
+        any already waiting), and runs each set with equal sampling settings as one generate."""
+        while True:
+            batch = [self._jobs.get()]
+            deadline = time.monotonic() + self.batch_window_s
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    batch.append(
+                        self._jobs.get(timeout=left) if left > 0 else self._jobs.get_nowait()
+                    )
+                except queue.Empty:
+                    break
+            groups: dict[tuple, list[_Job]] = {}
+            for job in batch:
+                groups.setdefault(job.key(), []).append(job)
+            for jobs in groups.values():
+                self._run(jobs)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        if not self.lock.acquire(timeout=self.request_timeout_s):
+            for job in jobs:
+                job.done.set_exception(ServerError(503, "the engine stayed busy", "busy"))
+            return
+        try:
+            version = self.version  # pushes take the same lock: these weights are this version
+            start = time.perf_counter()
+            prompts = [p for job in jobs for p in job.prompts]
+            seeds = [x for job in jobs for x in job.seeds]
+            out = self.engine.generate(prompts, jobs[0].params, greedy=jobs[0].greedy, seeds=seeds)
+            self.stats["generate_s"] += time.perf_counter() - start
+            self.stats["generated_tokens"] += sum(len(c) for c in out.completion_ids)
+            self.stats["requests"] += len(jobs)
+            self.stats["batches"] += 1
+            at = 0
+            for job in jobs:
+                n = len(job.prompts)
+                part = GenerationOutput(out.completion_ids[at : at + n], out.logprobs[at : at + n],
+                                        out.truncated[at : at + n])  # fmt: skip
+                job.done.set_result((part, version))
+                at += n
+        except Exception as exc:  # an engine failure fails every request of the batch (a 500)
+            for job in jobs:
+                if not job.done.done():
+                    job.done.set_exception(exc)
+        finally:
+            self.lock.release()
 
     def _wait_version(self, needed: int) -> None:
         """Waits for the next push when it brings the version asked for; further ahead: 409."""

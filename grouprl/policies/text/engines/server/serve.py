@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of requests that carry none (trainers send one per completion)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request waits for the engine or for a weight version")  # fmt: skip
+    p.add_argument("--batch-window-ms", type=float, default=10.0,
+                   help="a request waits this long for others to generate with (0: only those "
+                   "that arrive while the engine is busy)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -52,7 +55,8 @@ def serve(args: argparse.Namespace) -> int:
                         seed=args.seed)  # fmt: skip
     info = {"model": args.model, "dtype": args.dtype,
             "tensor_parallel_size": args.tensor_parallel_size}  # fmt: skip
-    state = VLLMServer(engine, info, request_timeout_s=args.request_timeout)
+    state = VLLMServer(engine, info, request_timeout_s=args.request_timeout,
+                       batch_window_s=args.batch_window_ms / 1000)  # fmt: skip
     http = state.serve(args.host, args.port)
     host, port = http.server_address[:2]
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops it like Ctrl-C, workers too
