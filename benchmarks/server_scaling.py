@@ -19,10 +19,11 @@ Tokens/s = completion tokens generated per step (both trainers for server2; the 
 count x 2, the shares being equal) / seconds per step. The engine calls are timed by wrapping
 `generate` in a small launcher script (benchmarks only; grouprl itself logs perf/ metrics).
 
-One server serves server1 and server2 (started once, its start-up time reported apart). Each run is
-its own process. Not part of the test suite; nothing here asserts on time.
+One server serves server1 and server2 (started once, its start-up time reported apart; it idles
+during inproc). Each run is its own process; the three settings alternate for `--rounds` rounds
+(inproc, server1, server2, inproc, ...) and the medians pool every timed step of every round. Not part of the test suite; nothing here asserts on time.
 
-Run: python benchmarks/server_scaling.py [--steps 6] [--threads 1]
+Run: python benchmarks/server_scaling.py [--steps 6] [--rounds 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -151,10 +152,17 @@ def run(name: str, out: Path, model: Path, args: dict, env: dict, url: str) -> d
         mine = [c for c in calls if a < c[0] <= b]
         gen.append(sum(c[1] - c[0] for c in mine))
         tokens.append(sum(c[2] for c in mine) * (2 if name == "server2" else 1))
+    return {"wall_s": wall, "step_s": steps, "generate_s": gen, "tokens": tokens}
+
+
+def summarise(name: str, rounds: list[dict]) -> dict[str, Any]:
+    """Medians over every timed step of every round."""
+    steps = [x for r in rounds for x in r["step_s"]]
+    gen = [x for r in rounds for x in r["generate_s"]]
+    tokens = [x for r in rounds for x in r["tokens"]]
     step_s, gen_s = statistics.median(steps), statistics.median(gen)
-    return {"run": name, "wall_s": wall, "step_s": step_s, "all_step_s": steps,
-            "generate_s_per_step": gen_s, "rest_s_per_step": step_s - gen_s,
-            "tokens_per_step": statistics.median(tokens),
+    return {"run": name, "rounds": rounds, "step_s": step_s, "generate_s_per_step": gen_s,
+            "rest_s_per_step": step_s - gen_s, "tokens_per_step": statistics.median(tokens),
             "tokens_per_s": statistics.median(tokens) / step_s}  # fmt: skip
 
 
@@ -162,6 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per trainer process")
+    ap.add_argument("--rounds", type=int, default=2, help="alternated runs of each setting")
     ap.add_argument("--out", default=str(C.RESULTS), help="folder for the JSON and PNG")
     args = vars(ap.parse_args())
     env = {**os.environ, "OMP_NUM_THREADS": str(args["threads"]), "PYTHONPATH": str(ROOT),
@@ -170,15 +179,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         model = build_model(out / "model")
-        results["inproc"] = run("inproc", out, model, args, env, "")
         proc, url, start_s = start_server(model, env, out / "server.log")
         results["server_start_s"] = start_s
-        try:
-            for name in ("server1", "server2"):
-                results[name] = run(name, out, model, args, env, url)
+        rounds: dict[str, list] = {n: [] for n in RUNS}
+        try:  # alternated: inproc, server1, server2, inproc, ... (machine drift hits all alike)
+            for k in range(args["rounds"]):
+                for name in RUNS:
+                    where = out / f"round{k}"
+                    rounds[name].append(run(name, where, model, args, env, url))
         finally:
             proc.terminate()
             proc.wait(30)
+        for name in RUNS:
+            results[name] = summarise(name, rounds[name])
     print_table(results)
     path = Path(args["out"])
     print(f"JSON: {C.write_json(path / 'server_scaling.json', results)}")
