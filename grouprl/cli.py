@@ -6,6 +6,7 @@ grouprl config show [SECTION]                      every option: type, default, 
 grouprl list presets|rewards|tasks|workloads|envs  the registries' names, each with a summary
 grouprl bench NAME [ARGS ...]                      a benchmark of a source checkout
 grouprl convert hpsv2|image_reward --checkpoint F --out DIR   a released scorer as a folder
+grouprl vllm-serve --model DIR [--port P ...]      a vLLM server for rollout.engine vllm_server
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ BENCHMARKS = {
     "async-speedup": "async_speedup.py",
     "http-reward-overlap": "http_reward_overlap.py",
     "tree-agents": "tree_agents.py",
+    "server-scaling": "server_scaling.py",
 }
 
 
@@ -190,6 +192,12 @@ def _bench(args: argparse.Namespace) -> int:
             "source checkout of grouprl (git clone, then pip install -e .)"
         )
     return subprocess.run([sys.executable, str(script), *args.options], check=False).returncode
+
+
+def _vllm_serve(args: argparse.Namespace) -> int:
+    from grouprl.policies.text.engines.server.serve import serve  # imports vllm
+
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         "--text-heads", type=int, default=None, help="default 16 (hpsv2), 12 (image_reward)"
     )
     convert.set_defaults(func=_convert)
+    from grouprl.policies.text.engines.server.serve import add_arguments
+
+    serve = sub.add_parser(
+        "vllm-serve",
+        help="serve a vLLM engine over HTTP with a weight-update channel (rollout.engine "
+        "vllm_server)",
+        description="A vLLM engine in its own process: POST /generate (token ids in, ids, "
+        "log-probs and weight versions out) and the weight channel trainers push to "
+        "(grouprl/policies/text/engines/server/app.py).",
+    )
+    add_arguments(serve)
+    serve.set_defaults(func=_vllm_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -411,7 +411,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
         step, before, after = resume_from(
             latest, policy, optimizer, scheduler, sampler, scaler=scaler, hooks=hooks
         )
-    push_weights(policy)  # a shared engine may hold older weights (another run's, pre-resume)
+    push_weights(policy, dist)  # a shared engine may hold older weights (another run's, pre-resume)
     logger = dist.logger_class(RunLogger)(
         run_dir, cfg.train.steps, backends=cfg.run.log_backends, console=cfg.run.console,
         run_name=cfg.run.name, config=config_json(cfg), start_step=step,
@@ -465,7 +465,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
                 # engine-vs-trainer mismatch; DiffusionNFT's old / AWM's EMA weights follow
                 metrics.update(workload.after_update(step, rollout))
                 with meter.stage("weight_sync"):
-                    push_weights(policy)  # the engine samples the next step with the new weights
+                    push_weights(policy, dist)  # the engine samples the next step with new weights
             else:
                 logger.print(f"step {step}: no informative group after dynamic sampling; skipped")
             metrics.update(meter.metrics(workload, rollout, metrics))

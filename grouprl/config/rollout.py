@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grouprl.config.budget import BudgetConfig, NoBudget
 from grouprl.config.hooks import HookConfig
@@ -32,14 +32,45 @@ class VLLMConfig(Section):
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per batch (None: vLLM's).")
 
 
+class VLLMServerConfig(Section):
+    """rollout.engine 'vllm_server': a `grouprl vllm-serve` process shared by 1..N trainer processes
+    (see grouprl/policies/text/engines/server/)."""
+
+    url: str = Field("http://127.0.0.1:8000", description="The server's base URL.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a generate call may take (other trainers share it)."
+    )
+    connect_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds for short calls (info, announcing a weight push)."
+    )
+    weight_timeout_s: float = Field(
+        600.0, gt=0,
+        description="Seconds a weight push may take: forming the channel, each broadcast, the "
+        "server's load.",
+    )  # fmt: skip
+    channel_host: str = Field(
+        "127.0.0.1",
+        description="Address the trainer's main process serves the weight channel's store on "
+        "(the server's workers must reach it).",
+    )
+    channel_port: int = Field(0, ge=0, le=65535, description="Its port (0: a free one).")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Weight channel backend: auto (nccl with CUDA, else gloo)."
+    )
+
+
 class RolloutConfig(Section):
-    engine: Literal["fast", "hf", "vllm"] = Field(
+    engine: Literal["fast", "hf", "vllm", "vllm_server"] = Field(
         "fast",
         description="Generation backend: fast (grouprl's decode loop on the trained model: prompt "
         "prefilled once per group, exact sampling log-probs), hf (transformers generate, same "
-        "distribution) or vllm (in-process).",
+        "distribution), vllm (in-process) or vllm_server (a `grouprl vllm-serve` process, "
+        "rollout.server).",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vllm engine options.")
+    server: VLLMServerConfig = Field(
+        default_factory=VLLMServerConfig, description="vllm_server engine options."
+    )
     prompts_per_step: int = Field(8, ge=1, description="Prompts (groups) per optimizer step.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
     budget: BudgetConfig = Field(
@@ -88,3 +119,13 @@ class RolloutConfig(Section):
         "re-samples an all-fail group with a hint, {type: replay, ...} mixes in the prompt's past "
         "successes (grouprl/config/hooks.py, grouprl/rollouts/hooks/).",
     )
+
+    @model_validator(mode="after")
+    def _server_options_need_the_server(self) -> RolloutConfig:
+        # compared with the defaults, not model_fields_set: a resolved config spells them all out
+        if self.engine != "vllm_server" and self.server != VLLMServerConfig():
+            raise ValueError(
+                f"rollout.server is set (not its defaults) but rollout.engine is {self.engine!r}; its options apply "
+                "to rollout.engine 'vllm_server' only"
+            )
+        return self

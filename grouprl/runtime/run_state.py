@@ -10,7 +10,8 @@ Config changes on resume: the new resolved config is compared with the run's con
 (or, for runs of older grouprl versions, its fully resolved config.yaml), key by dotted key.
 Exempt (they may differ freely, and are still recorded): RESUME_EXEMPT, i.e. the per-invocation
 flags, where the run directory sits (output_dir / name: a run may be moved or copied), the console
-/ logging / thread / device settings that do not change what is computed, and
+/ logging / thread / device settings that do not change what is computed, where a vllm_server
+runs (rollout.server: a run resumes against a restarted server), and
 train.steps (continuing a finished run for more steps; with a linear / cosine lr_schedule the
 schedule's length follows train.steps, so the lr from the checkpoint on differs from the first
 run's plan). Every change is printed and appended to config_changes.jsonl in the run directory.
@@ -45,6 +46,10 @@ from grouprl.runtime.user_inputs import is_python_object, python_objects_in
 RESUME_EXEMPT = frozenset({
     "run.resume", "run.overwrite", "run.allow_config_change", "run.console", "run.log_backends",
     "run.num_threads", "run.device", "run.output_dir", "run.name", "run.peak_flops", "train.steps",
+    # where the vllm_server runs and how long to wait for it (a restarted server: a new url)
+    "rollout.server.url", "rollout.server.timeout_s", "rollout.server.connect_timeout_s",
+    "rollout.server.weight_timeout_s", "rollout.server.channel_host",
+    "rollout.server.channel_port", "rollout.server.backend",
 })  # fmt: skip
 CHANGES_FILE = "config_changes.jsonl"
 

@@ -102,12 +102,24 @@ def _vllm_engine(cfg: Any, device: torch.device):
     return engine_from_config(cfg, device)
 
 
+def _server_engine(cfg: Any, device: torch.device):
+    from grouprl.policies.text.engines.server.client import VLLMServerEngine
+
+    s = cfg.rollout.server
+    return VLLMServerEngine(
+        s.url, timeout_s=s.timeout_s, connect_timeout_s=s.connect_timeout_s,
+        weight_timeout_s=s.weight_timeout_s, channel_host=s.channel_host,
+        channel_port=s.channel_port, backend=s.backend, seed=cfg.run.seed,
+    )  # fmt: skip
+
+
 # rollout.engine -> the policy's engine; None: CausalLMPolicy's HFEngine over its own model, a
 # string: that CausalLMPolicy.LOCAL_ENGINES engine over its own model
 TEXT_ENGINES = {
     "hf": lambda cfg, device: None,
     "fast": lambda cfg, device: "fast",
     "vllm": _vllm_engine,
+    "vllm_server": _server_engine,
 }
 
 

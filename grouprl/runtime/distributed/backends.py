@@ -12,7 +12,9 @@ Sharded parameters (fsdp2, ZeRO-3) cannot generate with transformers' `generate`
 policy's `model` and its HF engine's) and refresh it after every optimizer step with one full
 state-dict gather; the sharded model only trains. Memory: one full model per process on top of the
 shards (what gathering the parameters to generate would take anyway); at the scale where that does
-not fit, generation belongs to an engine with its own weights (rollout.engine vllm).
+not fit, generation belongs to an engine with its own weights (rollout.engine vllm_server: its
+weight push gathers one parameter at a time, `stream_full_weights`, instead of the whole state
+dict; the plain copy is still refreshed for saving).
 
 What was run here (CPU, gloo): ddp end to end (tests/test_distributed.py); fsdp2 end to end through
 accelerate's real FSDP2 preparation with the distributed type forced to FSDP on CPU processes
@@ -120,6 +122,17 @@ class FSDP2(_PlainCopy):
         sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {k.removeprefix("model."): v for k, v in sd.items()}
 
+    def stream_full_weights(self) -> list[tuple]:
+        """(name, shape, dtype, get) per parameter under its transformers name, tied ones under
+        each name (a tied head is sent as lm_head.weight as in a state dict): `get()` gathers
+        that one parameter (an all-gather of every process, in the same order everywhere) for a
+        weight push to a vllm_server, so a push never holds more than one full parameter."""
+        out = []
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            get = (lambda p=p: p.full_tensor()) if hasattr(p, "full_tensor") else (lambda p=p: p)
+            out.append((name.removeprefix("model."), list(p.shape), p.dtype, get))
+        return out
+
     def load_full(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -197,6 +210,24 @@ class DeepSpeed(_PlainCopy):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             sd = self.module.module.state_dict()
             return {k.removeprefix("model."): v.clone() for k, v in sd.items()}
+
+    def stream_full_weights(self) -> list[tuple] | None:
+        """ZeRO-3: as FSDP2.stream_full_weights, each parameter gathered with DeepSpeed's
+        GatheredParameters on its own (written, NOT run: no deepspeed package here). ZeRO-2: None
+        (the parameters are whole; the policy's model is pushed as it is)."""
+        if self.stage != 3:
+            return None
+        import deepspeed
+
+        def gather(p: Any) -> torch.Tensor:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                return p.data.detach().clone()
+
+        return [
+            (name.removeprefix("model."), list(getattr(p, "ds_shape", p.shape)), p.dtype,
+             lambda p=p: gather(p))
+            for name, p in self.module.module.named_parameters(remove_duplicate=False)
+        ]  # fmt: skip
 
     def load_full(self, state: dict) -> None:
         import deepspeed

@@ -58,11 +58,14 @@ class GenerationOutput:
     logprobs:       log-prob of each sampled token under the distribution it was sampled from
                     (after temperature / top-k / top-p); same lengths as completion_ids
     truncated:      True where max_new_tokens was reached without EOS or a stop string
+    versions:       the weight version that produced each completion (one int per completion;
+                    None when the engine does not track versions)
     """
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     truncated: list[bool]
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -71,6 +74,8 @@ class GenerationOutput:
                 f"GenerationOutput: {n} completions but {len(self.logprobs)} logprob rows and "
                 f"{len(self.truncated)} truncated flags"
             )
+        if self.versions is not None and len(self.versions) != n:
+            raise ValueError(f"GenerationOutput: {n} completions but {len(self.versions)} versions")
         for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
             if len(ids) != len(lps):
                 raise ValueError(

@@ -35,10 +35,16 @@ from grouprl.types import Rollout
 CLAMP = 20.0
 
 
-def push_weights(policy: Any) -> None:
-    """Give the policy's text engine the weights just trained (policies without one: nothing)."""
+def push_weights(policy: Any, processes: Any = None) -> None:
+    """Give the policy's text engine the weights just trained (policies without one: nothing).
+    processes: the trainer's Dist under several processes; a remote engine (vllm_server) pushes
+    from the main process only and the others learn the new version (engines/server/client.py)."""
     engine = getattr(policy, "engine", None)
-    if engine is not None:
+    if engine is None:
+        return
+    if getattr(engine, "remote", False):
+        engine.push(policy, processes)
+    else:
         engine.load_weights(policy.model)
 
 

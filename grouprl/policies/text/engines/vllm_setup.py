@@ -45,6 +45,9 @@ class VLLMSettings:
     sleep: Literal["off", "level1", "level2"] = "off"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1
+    worker_extension: str | None = None  # vLLM worker_extension_cls (the server's WeightReceiver)
+    seed: int = 0  # vLLM's global seed; requests carry their own seeds
 
 
 _SHARED: dict[str, Any] = {"settings": None, "engine": None}
@@ -101,11 +104,14 @@ def build_llm(s: VLLMSettings) -> Any:
             enable_prefix_caching=s.prefix_caching == "on",
             enforce_eager=s.enforce_eager,
             enable_sleep_mode=s.sleep != "off",
-            distributed_executor_backend="uni",
+            tensor_parallel_size=s.tensor_parallel_size,
+            # one worker: in this process; tensor parallel: one worker process per rank
+            distributed_executor_backend="uni" if s.tensor_parallel_size == 1 else "mp",
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # hub sampling defaults never change the distribution
-            seed=0,  # vLLM's global seed; our requests carry their own seeds
+            seed=s.seed,  # vLLM's global seed; our requests carry their own seeds
             disable_log_stats=True,
+            worker_extension_cls=s.worker_extension or "",
             **{k: v for k, v in optional.items() if v is not None},
         )
 
@@ -168,7 +174,8 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
     if world > 1:
         raise ValueError(
             f"rollout.engine 'vllm' hosts one in-process engine per job; this job has {world} "
-            "processes (WORLD_SIZE), which is not supported yet: use rollout.engine 'hf' there"
+            "processes (WORLD_SIZE), which is not supported: use rollout.engine 'vllm_server' (a "
+            "`grouprl vllm-serve` process all trainer processes share) or 'hf' / 'fast' there"
         )
     m, v = cfg.model, cfg.rollout.vllm
     async_mode = getattr(cfg.train, "async_mode", "off")
