@@ -447,6 +447,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
             step, after = step + 1, None  # a step ran: the final evaluation is due (again)
             if rollout is not None:
                 metrics.update(workload.prepare(dist.scorer(policy), rollout, weights))
+                rollouts.after_prepare(rollout)  # bounded async: staleness down-weights
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
                     sources = [ex[column] for ex in rollout.examples]
