@@ -8,7 +8,8 @@ Reduced to fit a shared 2-core machine: --steps steps (default 80, the demo runs
 --prompts prompts x 8 samples per step (default 32, as the demo), greedy held-out accuracy on
 --eval-examples problems every --eval-every steps. rollout.seeding per_sample; each of --seeds
 (run.seed) in every mode, accuracies averaged over the seeds. Modes: sync (async_mode off); bounded k=1 and k=2 (max_staleness k, the
-producer up to k batches ahead, stale_policy drop, partial rollouts in --chunk-token chunks,
+producer up to k batches ahead, stale_policy drop, partial rollouts in --chunk-token chunks (0:
+whole completions),
 algorithm.engine_correction token_truncate: the pi_prox / pi_behav weight of decoupled PPO).
 
 Each mode runs in its own fresh process, one after the other (the modes do not alternate: on a
@@ -19,7 +20,8 @@ evaluation) and the steps that evaluate are left out of the median.
     .venv/bin/python benchmarks/async_bounded.py
     .venv/bin/python benchmarks/async_bounded.py --steps 12 --eval-every 4 --seeds 0 --threads 2
 
-Prints a table per mode; writes async_bounded.json into --out (default benchmarks/results).
+Prints a table per mode; writes <--name>.json (default async_bounded.json) into --out (default
+benchmarks/results).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def overrides(a: argparse.Namespace, mode: str, run_root: Path) -> list[str]:
         "checkpoint.every=0", f"task.options.n_eval={a.eval_examples}",
     ]  # fmt: skip
     if mode != "sync":
-        common += ["algorithm.engine_correction=token_truncate",
-                   f"train.partial_chunk_tokens={a.chunk}"]  # fmt: skip
+        common.append("algorithm.engine_correction=token_truncate")
+        if a.chunk:  # 0: whole completions, no partial rollouts
+            common.append(f"train.partial_chunk_tokens={a.chunk}")
     return common + MODES[mode]
 
 
@@ -107,6 +110,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "grouprl_bench_async"))
     p.add_argument("--out", default=str(C.RESULTS))
+    p.add_argument("--name", default="async_bounded", help="the JSON file's name in --out")
     p.add_argument("--worker", choices=sorted(MODES), help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -147,8 +151,8 @@ def main() -> None:
           f"{a.prompts} prompts x 8 samples, chunk {a.chunk} "
           f"tokens, {a.threads} thread(s), held-out greedy accuracy on {a.eval_examples} problems"
           f"\n\n{C.format_table(header, rows)}")  # fmt: skip
-    C.write_json(Path(a.out) / "async_bounded.json",
-                 {"machine": info, "args": {k: v for k, v in vars(a).items() if k != "out"},
+    C.write_json(Path(a.out) / f"{a.name}.json",
+                 {"machine": info, "args": {k: v for k, v in vars(a).items() if k not in ("out", "name")},
                   "runs": per_seed})  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.fast import FastEngine
 from grouprl.policies.text.engines.hf import HFEngine
 from grouprl.policies.text.engines.partial import ChunkedEngine
 from grouprl.rollouts.batching import recompute_old, single_pass
@@ -241,6 +242,32 @@ def test_a_checkpoint_sees_the_sampler_before_the_oldest_untaken_batch(tiny_mode
     source.close()
 
 
+def test_generation_overlaps_the_update(tiny_model, tiny_tokenizer):
+    policy = CausalLMPolicy(tiny_model, tiny_tokenizer)
+
+    def make(index, pol, sampler):
+        assert threading.current_thread().name == "grouprl-rollout"  # never the trainer's thread
+        time.sleep(0.2)
+        rollout = batch_of([[0]])
+        rollout.token_version = None  # the producer stamps the version it sampled with
+        return rollout, {}
+
+    def run(k):
+        source, _ = source_of(policy, make, k=k, steps=5)
+        start, stale = time.perf_counter(), []
+        for step in range(5):
+            _, metrics = source.next(step, policy)
+            stale.append(metrics["async/staleness_max"])
+            time.sleep(0.2)  # the update
+        source.close()
+        assert max(stale) <= k
+        return time.perf_counter() - start
+
+    overlapped, serial = run(1), run(0)
+    # serial: 5 x (0.2 + 0.2) = 2.0 s; overlapped: about 0.2 + 5 x 0.2 = 1.2 s (sleeps)
+    assert overlapped < 0.8 * serial, (overlapped, serial)
+
+
 def test_a_producer_error_surfaces_at_the_next_step(tiny_model, tiny_tokenizer):
     policy = CausalLMPolicy(tiny_model, tiny_tokenizer)
 
@@ -260,23 +287,28 @@ def test_a_producer_error_surfaces_at_the_next_step(tiny_model, tiny_tokenizer):
 # ---- partial rollouts --------------------------------------------------------------------------------
 
 
-def straight_and_chunked(model, tokenizer, refresh, chunk=2, n_new=6):
+def straight_and_chunked(model, tokenizer, refresh, chunk=2, n_new=6, engine_class=HFEngine):
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("1+2=", "4+4=", "7+1=")]
     params = SamplingParams(max_new_tokens=n_new)
-    straight = HFEngine(copy.deepcopy(model), tokenizer).generate(prompts, params, greedy=True)
-    engine = HFEngine(model, tokenizer)
+    straight = engine_class(copy.deepcopy(model), tokenizer).generate(prompts, params, greedy=True)
+    engine = engine_class(model, tokenizer)
     chunked = ChunkedEngine(engine, chunk, refresh).generate(prompts, params, greedy=True)
     return prompts, straight, chunked
 
 
-def test_chunks_with_unchanged_weights_equal_one_straight_generation(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("engine_class", [HFEngine, FastEngine])
+def test_chunks_with_unchanged_weights_equal_one_straight_generation(
+    tiny_model, tiny_tokenizer, engine_class
+):
     calls = []
 
     def refresh():
         calls.append(1)
         return 7
 
-    _, straight, chunked = straight_and_chunked(tiny_model, tiny_tokenizer, refresh)
+    _, straight, chunked = straight_and_chunked(
+        tiny_model, tiny_tokenizer, refresh, engine_class=engine_class
+    )
     assert chunked.completion_ids == straight.completion_ids
     assert chunked.truncated == straight.truncated
     for a, b in zip(chunked.logprobs, straight.logprobs):
@@ -311,7 +343,6 @@ def test_new_weights_between_chunks_continue_the_completion(tiny_model, tiny_tok
         assert vers == [0] * min(2, len(ids)) + [1] * max(0, len(ids) - 2)
         assert ids[:2] == straight.completion_ids[i][:2]  # chunk 0: the old weights' tokens
     # each token's log-prob is the score of the weights that sampled it (greedy: temperature 1)
-    tokenizer = tiny_tokenizer
     for i in cut:
         ids = chunked.completion_ids[i]
         seq = torch.tensor([prompts[i] + ids])
@@ -324,7 +355,6 @@ def test_new_weights_between_chunks_continue_the_completion(tiny_model, tiny_tok
             )
         expected = torch.cat([logps[0][:2], logps[1][2:]])
         torch.testing.assert_close(torch.tensor(chunked.logprobs[i]), expected, rtol=0, atol=1e-4)
-    assert tokenizer is tiny_tokenizer
 
 
 def test_partial_rollouts_in_the_policy_fill_token_version(tiny_model, tiny_tokenizer):
