@@ -391,6 +391,22 @@ def test_bounded_trains_with_partial_rollouts_and_logs_staleness(tiny_model_dir,
     assert rows[0]["async/staleness_max"] == 0  # batch 0: the weights it trains
 
 
+@pytest.mark.parametrize("stale", ["drop", "downweight"])
+def test_a_producer_ahead_of_the_bound_is_held_to_it_in_the_loop(tiny_model_dir, tmp_path, stale):
+    """async_prefetch 2 > max_staleness 0: batches sampled ahead are dropped / down-weighted."""
+    extra = ["train.stale_decay=0.5"] if stale == "downweight" else []
+    train(make_cfg(tmp_path, tiny_model_dir, *BOUNDED, "train.max_staleness=0",
+                   "train.async_prefetch=2", f"train.stale_policy={stale}",
+                   "rollout.seeding=per_sample", "train.steps=4", *extra))  # fmt: skip
+    rows = rows_of(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    if stale == "drop":  # whatever the producer made ahead, only fresh tokens are trained
+        assert all(r["async/staleness_max"] == 0 for r in rows)
+    else:
+        assert all(r["async/dropped_samples"] == 0 for r in rows)
+
+
 def test_bounded_checkpoint_and_resume(tiny_model_dir, tmp_path):
     common = [*BOUNDED, "train.max_staleness=1", "rollout.seeding=per_sample",
               "checkpoint.every=1"]  # fmt: skip
