@@ -30,9 +30,10 @@ update's own detached forward, the same weights); the PPO clip is around the pro
 each token is weighted by pi_prox / pi_behav through algorithm.engine_correction
 (objectives/correction.py, truncated or masked as configured): no new loss. With
 rollout.old_logp engine the clip is around the behaviour policy instead (coupled PPO).
-Deviations from AReaL: a thread, not separate rollout servers; the bound is counted in batches
-(steps), not in samples; AReaL's importance weight is untruncated, here it follows
-engine_correction (refused when none, since the correction would be missing).
+Deviations from AReaL: a thread of the trainer's process, not separate rollout servers; the bound
+is counted in batches (steps), not in samples; the importance weight follows
+algorithm.engine_correction (truncated or masked as configured; refused when none with k >= 1 and
+old_logp recompute, since the correction would be missing).
 
 Refused (runtime.async_rollout.check_async and config checks): those of one_step_off, plus
 async_worker process. A checkpoint stores the sampler as it was before the oldest batch not yet
