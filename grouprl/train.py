@@ -452,6 +452,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
             if rollout is not None:
                 with meter.stage("prepare"):
                     metrics.update(workload.prepare(dist.scorer(policy), rollout, weights))
+                rollouts.after_prepare(rollout)  # bounded async: staleness down-weights
                 if isinstance(sampler, DumpSampler):  # the curriculum learns from |advantage|
                     column = cfg.curriculum.source_column
                     sources = [ex[column] for ex in rollout.examples]

@@ -102,7 +102,11 @@ class Rollout:
     actions:      policy payload    TokenBatch for text; latents for flow models
     old_logp:     Float[N, T]       log-prob of each action under the policy that sampled it
     mask:         Bool[N, T]        which action slots count in the loss
-    engine_logp:  Float[N, T]|None  log-probs reported by the inference engine (mismatch correction)
+    engine_logp:  Float[N, T]|None  log-probs reported by the inference engine (mismatch correction);
+                                    under bounded async the behaviour policy's log-prob per token
+    token_version: Long[N, T]|None  the weight version that sampled each token (bounded async,
+                                    partial rollouts: versions can change within a completion;
+                                    -1 on slots no policy sampled); None: not tracked
     ref_logp:     Float[N, T]|None  log-probs under the frozen reference (filled when KL is on)
     teacher_logp: Float[N, T]|None  the distillation teacher's log-probs of the sampled tokens
                                     (filled when algorithm.distill is set with k1 / k3)
@@ -129,6 +133,7 @@ class Rollout:
     old_logp: Tensor
     mask: Tensor
     engine_logp: Tensor | None = None
+    token_version: Tensor | None = None  # [N, T] int64
     ref_logp: Tensor | None = None
     teacher_logp: Tensor | None = None
     advantages: Tensor | None = None

@@ -354,3 +354,20 @@ def test_an_over_long_prompt_is_filtered_before_vllm_sees_it(tmp_path, vllm_mode
         train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]
+
+
+def test_partial_rollouts_in_chunks_continue_on_vllm(policy, engine):
+    """train.partial_chunk_tokens over the vLLM engine (engines/partial.py): with the weights
+    unchanged, chunks of 2 tokens continue to the straight generation's greedy tokens."""
+    from grouprl.policies.text.engines.partial import ChunkedEngine
+
+    prompts = policy.encode_prompts(["1+2=", "4+4=", "7+1="])
+    params = SamplingParams(max_new_tokens=6)
+    straight = engine.generate(prompts, params, greedy=True)
+    assert max(len(c) for c in straight.completion_ids) > 2  # a completion crosses a boundary
+    chunked = ChunkedEngine(engine, 2, lambda: 3).generate(prompts, params, greedy=True)
+    assert chunked.completion_ids == straight.completion_ids
+    assert chunked.truncated == straight.truncated
+    for a, b in zip(chunked.logprobs, straight.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=TOL)
+    assert all(v == [3] * len(c) for v, c in zip(chunked.token_versions, chunked.completion_ids))

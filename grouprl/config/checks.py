@@ -112,6 +112,7 @@ def check_combinations(cfg: Config) -> None:
             f"{a.surrogate.type!r} has no clip range (use type clip)"
         )
     check_hooks(cfg)
+    check_bounded_async(cfg)
     check_tree(cfg)
     if a.advantage == "dr_grpo" and a.scale != "none":
         warnings.warn(
@@ -149,6 +150,31 @@ def check_hooks(cfg: Config) -> None:
                 f"{h.column!r} column as the start of the completion",
                 stacklevel=2,
             )
+
+
+def check_bounded_async(cfg: Config) -> None:
+    """train.async_mode bounded: stale tokens need the per-token pi_prox / pi_behav correction;
+    partial rollouts cannot honour stop strings (runtime/bounded_async.py)."""
+    t = cfg.train
+    if t.async_mode != "bounded":
+        return
+    ahead = t.max_staleness if t.async_prefetch is None else t.async_prefetch
+    if (
+        ahead > 0
+        and cfg.rollout.old_logp == "recompute"
+        and cfg.algorithm.engine_correction == "none"
+    ):
+        raise ValueError(
+            f"train.async_mode bounded with max_staleness/async_prefetch {ahead} trains tokens "
+            "sampled by older weights: with rollout.old_logp recompute (the proximal policy) set "
+            "algorithm.engine_correction (e.g. token_truncate) for the weight pi_prox / pi_behav, "
+            "or use rollout.old_logp engine (clip around the behaviour policy)"
+        )
+    if t.partial_chunk_tokens is not None and cfg.rollout.stop:
+        raise ValueError(
+            "train.partial_chunk_tokens with rollout.stop: a stop string could span two chunks; "
+            "drop one of them"
+        )
 
 
 def check_tree(cfg: Config) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grouprl.config.section import Section
 
@@ -22,11 +22,14 @@ class TrainConfig(Section):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Samples per forward/backward (gradient accumulation)."
     )
-    async_mode: Literal["off", "one_step_off"] = Field(
+    async_mode: Literal["off", "one_step_off", "bounded"] = Field(
         "off",
         description="one_step_off: a background thread samples step k+1 with a snapshot of the "
         "weights while step k updates (grouprl/runtime/async_rollout.py); old_logp is the sampling "
-        "weights' score.",
+        "weights' score. bounded: a producer thread samples continuously into a bounded queue, "
+        "samples more than train.max_staleness versions old are dropped or down-weighted, "
+        "old_logp is the trainer's (proximal) score, engine_logp the behaviour "
+        "(grouprl/runtime/bounded_async.py).",
     )
     async_worker: Literal["thread", "process"] = Field(
         "thread",
@@ -40,6 +43,39 @@ class TrainConfig(Section):
         description="one_step_off: steps the sampling weights may lag (1: generation overlaps the "
         "update; 0: no overlap, the synchronous loop's samples, for checks).",
     )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="bounded: k, the most weight versions a trained token may lag the weights it "
+        "is trained with (0: the synchronous run's samples, through the producer).",
+    )
+    stale_policy: Literal["drop", "downweight"] = Field(
+        "drop",
+        description="bounded: a sample with a token more than max_staleness versions old is "
+        "dropped (counted in async/dropped_samples), or each such token's loss is multiplied by "
+        "stale_decay ** (its staleness - max_staleness).",
+    )
+    stale_decay: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="bounded + downweight: the loss weight factor per version beyond "
+        "max_staleness.",
+    )
+    async_prefetch: int | None = Field(
+        None,
+        ge=0,
+        description="bounded: batches the producer may sample ahead of the trainer's demand "
+        "(None: max_staleness, so no sample exceeds the bound; more trades drops / down-weights "
+        "for throughput).",
+    )
+    partial_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="bounded: generate in chunks of this many tokens; newer weights published "
+        "between chunks continue the unfinished completions (partial rollouts; each token keeps "
+        "its log-prob and weight version). None: whole completions with one version.",
+    )
     max_nonfinite_steps: int = Field(
         3,
         ge=1,
@@ -52,3 +88,31 @@ class TrainConfig(Section):
         "when model.lora.dropout > 0), so the trainer's log-probs match the sampler's "
         "(grouprl/policies/dropout.py). false keeps the model's dropout.",
     )
+
+    @model_validator(mode="after")
+    def _bounded_options(self) -> TrainConfig:
+        """The bounded-async options apply only to async_mode bounded: one set to another value
+        than its default under another mode is an error, not ignored (a resolved config, which
+        writes every default, still loads)."""
+        own = ("max_staleness", "stale_policy", "stale_decay", "async_prefetch",
+               "partial_chunk_tokens")  # fmt: skip
+        fields = type(self).model_fields
+
+        def changed(name: str) -> bool:
+            return getattr(self, name) != fields[name].default
+
+        if self.async_mode != "bounded":
+            given = [k for k in own if changed(k)]
+            if given:
+                raise ValueError(
+                    f"train.{', train.'.join(given)} apply(ies) only to train.async_mode bounded, "
+                    f"but async_mode is {self.async_mode!r}"
+                )
+        elif changed("stale_decay") and self.stale_policy != "downweight":
+            raise ValueError("train.stale_decay applies only to train.stale_policy downweight")
+        elif changed("async_staleness"):
+            raise ValueError(
+                "train.async_staleness is one_step_off's; async_mode bounded uses "
+                "train.max_staleness"
+            )
+        return self

@@ -57,18 +57,21 @@ def single_pass(cfg: Any) -> bool:
     """One epoch over one minibatch, sampled by the weights being trained (train.async_mode off):
     pi_old is then the current weights, so the update takes the detached scores of its own forward
     as old_logp (one forward per micro-batch instead of two) and keeps them on the rollout.
-    Under one_step_off the batch was sampled by the previous weights: never single-pass."""
+    Under one_step_off the batch was sampled by the previous weights: never single-pass. Under
+    bounded async the current weights are the proximal policy (decoupled PPO), so the update's own
+    forward is pi_old too (the behaviour policy is engine_logp)."""
     a = cfg.algorithm
-    return a.epochs == 1 and a.minibatches == 1 and cfg.train.async_mode == "off"
+    return a.epochs == 1 and a.minibatches == 1 and cfg.train.async_mode in ("off", "bounded")
 
 
 def recompute_old(cfg: Any) -> bool:
     """prepare() scores old_logp with the current weights before the first update: rollout.old_logp
     'recompute' over several updates of one batch. Not in a single pass (the update's own forward
     gives them), nor under one_step_off (the worker scored the batch with the weights that sampled
-    it, before the current ones moved on)."""
+    it, before the current ones moved on). Under bounded async prepare scores the proximal policy
+    (runtime/bounded_async.py)."""
     return (
         cfg.rollout.old_logp == "recompute"
-        and cfg.train.async_mode == "off"
+        and cfg.train.async_mode in ("off", "bounded")
         and not single_pass(cfg)
     )

@@ -65,7 +65,7 @@ def splice_rows(rollout: Rollout, keep: Tensor, extra: Rollout) -> Rollout:
 
 # per-token fields [n, T] and their padding; every other 2-D field (step_rewards [n, max_turns])
 # has the same width in every part and is joined as it is
-_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0,
+_TOKEN_FIELDS = {"old_logp": 0.0, "mask": 0, "engine_logp": 0.0, "ref_logp": 0.0, "token_version": -1,
                  "teacher_logp": 0.0, "token_scales": 0.0, "advantages": 0.0, "step_ids": -1,
                  "tree_segment": -1, "tree_path": -1}  # fmt: skip
 _OWN_WIDTH = {"tree_path"}  # [n, D+1]: padded to the widest of its own kind, not to T

@@ -66,7 +66,11 @@ def check_async(cfg: Any, world: int) -> None:
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
         "rollout.budget": cfg.rollout.budget.type != "none",
     }
-    if getattr(cfg.train, "async_worker", "thread") == "process":
+    if cfg.train.async_mode == "bounded":
+        refusals["train.async_worker 'process' (bounded runs its producer in a thread)"] = (
+            cfg.train.async_worker == "process"
+        )
+    elif getattr(cfg.train, "async_worker", "thread") == "process":
         cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
         refusals["async_worker 'process' on CUDA (a CUDA context does not survive a fork)"] = cuda
         refusals["async_worker 'process' with rewards[i].timeout_s (their worker pools belong to "
@@ -90,6 +94,9 @@ class SyncRollouts:
 
     def saved_sampler(self, sampler: Any) -> Any:
         return sampler
+
+    def after_prepare(self, rollout: Rollout) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -136,6 +143,9 @@ class OneStepOff:
             self._launch(step + 1, policy)  # overlaps this step's update
         return rollout, metrics
 
+    def after_prepare(self, rollout: Rollout) -> None:
+        pass
+
     def saved_sampler(self, sampler: Any) -> Any:
         """The sampler as a checkpoint must see it: before the in-flight batch was drawn."""
         return _FrozenState(self.sampler_state) if self.pending is not None else sampler
@@ -175,10 +185,14 @@ class OneStepOff:
 
 
 def rollout_source(cfg: Any, policy: Any, sampler: Any, make: Make, world: int = 1) -> Any:
-    """SyncRollouts, or OneStepOff under train.async_mode one_step_off."""
+    """SyncRollouts, OneStepOff under train.async_mode one_step_off, BoundedAsync under bounded."""
     check_async(cfg, world)
     if cfg.train.async_mode == "off":
         return SyncRollouts(make)
+    if cfg.train.async_mode == "bounded":
+        from grouprl.runtime.bounded_async import BoundedAsync
+
+        return BoundedAsync(cfg, policy, sampler, make)
     return OneStepOff(cfg, policy, sampler, make)
 
 

@@ -35,7 +35,7 @@ class Capabilities:
     """What a workload supports; the loop refuses a config that asks for anything else.
 
     multi_process:       several trainer processes (accelerate launch) each sample a share
-    async_rollouts:      train.async_mode one_step_off (a background worker samples step k+1)
+    async_rollouts:      train.async_mode one_step_off / bounded (a background worker samples ahead)
     per_sample_seeding:  rollout.seeding per_sample (each sample's generator seeded by its ids)
     curriculum:          curriculum.type dump (the sampler learns from |advantage| per source;
                          needs `rollout.examples`)
@@ -178,7 +178,7 @@ def register(cls: type) -> type:
 _ASKS = {
     "multi_process": ("several processes (accelerate launch)", lambda cfg, world: world > 1),
     "async_rollouts": (
-        "train.async_mode one_step_off",
+        "train.async_mode one_step_off / bounded",
         lambda cfg, world: cfg.train.async_mode != "off",
     ),
     "per_sample_seeding": (

@@ -190,7 +190,8 @@ class CausalLMPolicy:
             seeded["seeds"] = group_seeds(seed, group_ids.tolist(), group_size)
         engine = engine or self.engine
         # a local engine runs this model here: in the compute dtype; vLLM keeps its own dtype
-        local = isinstance(engine, tuple(LOCAL_ENGINES.values()))
+        # (partial rollouts wrap an engine: engines/partial.py's ChunkedEngine.inner)
+        local = isinstance(getattr(engine, "inner", engine), tuple(LOCAL_ENGINES.values()))
         ctx = compute(self.compute_dtype, self.device_of_model()) if local else nullcontext()
         with ctx:
             out = engine.generate(
@@ -213,6 +214,12 @@ class CausalLMPolicy:
              for f, lp in zip(forced, out.logprobs)], 0.0, "right",
         )  # fmt: skip  # [N, T]
         batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
+        token_version = None  # [N, T] int64: partial rollouts' per-token weight versions
+        if out.token_versions is not None:
+            token_version = _pad(
+                [torch.tensor([-1] * len(f) + list(v), dtype=torch.long)
+                 for f, v in zip(forced, out.token_versions)], -1, "right",
+            )  # fmt: skip
         return Rollout(
             group_ids=group_ids.repeat_interleave(torch.tensor(sizes)),  # [N]
             rewards={},
@@ -220,6 +227,7 @@ class CausalLMPolicy:
             old_logp=engine_logp.clone(),  # [N, T]; train.py may recompute it with the trainer
             mask=loss_mask,  # [N, T]
             engine_logp=engine_logp,
+            token_version=token_version,
             info={
                 "prompt": [p for p, n in zip(prompts, sizes) for _ in range(n)],
                 "completion": self.tokenizer.batch_decode(completions, skip_special_tokens=True),
@@ -337,6 +345,13 @@ class CausalLMPolicy:
             model, tokenizer, logprob_chunk_size=self.logprob_chunk_size,
             logprob_path=self.logprob_path, engine=engine,
         )  # fmt: skip
+
+    def chunk_generation(self, chunk_tokens: int, refresh: Any) -> None:
+        """Partial rollouts: this policy's engine generates in chunks of `chunk_tokens`, calling
+        `refresh()` (-> the weight version) before each (engines/partial.py); on a snapshot."""
+        from grouprl.policies.text.engines.partial import ChunkedEngine
+
+        self.engine = ChunkedEngine(self.engine, chunk_tokens, refresh)
 
     def sampling_copy(self) -> torch.nn.Module:
         """Sharded training (FSDP2): the trained model moves into the sharded wrapper, and this

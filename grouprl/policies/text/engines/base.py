@@ -60,12 +60,16 @@ class GenerationOutput:
     truncated:      True where max_new_tokens was reached without EOS or a stop string
     versions:       the weight version that produced each completion (one int per completion;
                     None when the engine does not track versions)
+    token_versions: the weight version that sampled each token (same lengths as completion_ids),
+                    from engines whose weights can change within one call (partial rollouts,
+                    engines/partial.py); None: not tracked
     """
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     truncated: list[bool]
     versions: list[int] | None = None
+    token_versions: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -81,6 +85,10 @@ class GenerationOutput:
                 raise ValueError(
                     f"GenerationOutput row {i}: {len(ids)} ids but {len(lps)} logprobs"
                 )
+        if self.token_versions is not None and [len(v) for v in self.token_versions] != [
+            len(ids) for ids in self.completion_ids
+        ]:
+            raise ValueError("GenerationOutput: token_versions must have one int per token")
 
 
 @runtime_checkable
