@@ -62,7 +62,10 @@ def check_async(cfg: Any, world: int) -> None:
         return
     refusals = {
         "several processes (accelerate launch)": world > 1,
-        "rollout.engine 'vllm'": cfg.rollout.engine == "vllm",
+        "rollout.engine 'vllm' (use vllm_server)": cfg.rollout.engine == "vllm",
+        "rollout.engine 'vllm_server' with one_step_off (use async_mode bounded, max_staleness 1)": (
+            cfg.rollout.engine == "vllm_server" and cfg.train.async_mode == "one_step_off"
+        ),
         "curriculum.type 'dump'": cfg.curriculum.type != "none",
         "rollout.budget": cfg.rollout.budget.type != "none",
     }

@@ -8,8 +8,10 @@
 Versions: the weights the run starts (or resumes) with are version 0; the trainer publishes version
 v = (step - first step) at the start of each step, i.e. after each update (+1 per weight push). The
 producer holds a snapshot policy (a copy with its own engine, like one_step_off) and loads the
-newest published weights before each batch, and, with train.partial_chunk_tokens, before each chunk
-of tokens (partial rollouts, policies/text/engines/partial.py: unfinished completions continue with
+newest published weights before each batch (with rollout.engine vllm_server nothing is copied: the
+trainer's weight push after each update reaches the server, which generates in its own process
+while the trainer updates, and every completion carries the server's weight version), and,
+with train.partial_chunk_tokens, before each chunk of tokens (partial rollouts, policies/text/engines/partial.py: unfinished completions continue with
 the new weights; every token keeps the log-prob and version that sampled it,
 Rollout.token_version [N, T], Rollout.engine_logp [N, T]). Without chunks a batch's tokens all carry
 the version its generation started with.
@@ -30,7 +32,8 @@ update's own detached forward, the same weights); the PPO clip is around the pro
 each token is weighted by pi_prox / pi_behav through algorithm.engine_correction
 (objectives/correction.py, truncated or masked as configured): no new loss. With
 rollout.old_logp engine the clip is around the behaviour policy instead (coupled PPO).
-Deviations from AReaL: a thread of the trainer's process, not separate rollout servers; the bound
+Deviations from AReaL: the producer is a thread of the trainer's process (its generation runs in
+the vLLM server's process with vllm_server, else in the thread); the bound
 is counted in batches (steps), not in samples; the importance weight follows
 algorithm.engine_correction (truncated or masked as configured; refused when none with k >= 1 and
 old_logp recompute, since the correction would be missing).
@@ -71,6 +74,9 @@ class BoundedAsync:
         self.k, self.stale_policy, self.decay = t.max_staleness, t.stale_policy, t.stale_decay
         self.prefetch = t.max_staleness if t.async_prefetch is None else t.async_prefetch
         self.snapshot = policy.snapshot()  # a copy with its own engine
+        # vllm_server: the trainer's push_weights sends each update to the server, which samples
+        # in its own process; publishing is then only the version, and refresh loads nothing
+        self.remote = bool(getattr(self.snapshot.engine, "remote", False))
         if t.partial_chunk_tokens is not None:
             if not hasattr(self.snapshot, "chunk_generation"):
                 raise ValueError(
@@ -157,7 +163,9 @@ class BoundedAsync:
                 )
 
     def _publish(self, version: int, policy: Any) -> None:
-        weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        weights = None if self.remote else {
+            k: v.detach().clone() for k, v in policy.state_dict().items()
+        }  # fmt: skip
         with self.cond:
             self.published = (version, weights)
             self.cond.notify_all()
@@ -215,7 +223,7 @@ class BoundedAsync:
             if self.stopping:
                 raise ProducerStopped
             version, weights = self.published
-        if version != self.loaded:
+        if version != self.loaded and not self.remote:
             load_into(self.snapshot, weights, self.adapters_only)
             self.loaded = version
         return version

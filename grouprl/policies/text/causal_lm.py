@@ -335,9 +335,19 @@ class CausalLMPolicy:
     def snapshot(self) -> CausalLMPolicy:
         """A CausalLMPolicy over copies of the model and tokenizer, with its own engine of this
         policy's kind (hf or fast) and its log-prob settings: what one-step-off rollouts sample
-        with while this policy trains (runtime/async_rollout.py)."""
+        with while this policy trains (runtime/async_rollout.py). A remote engine (vllm_server)
+        is shared, not copied: its weights are the server's."""
+        if getattr(self.engine, "remote", False):  # vllm_server: the weights live in the server
+            # the trainer pushes them (sync.push_weights); the snapshot only samples through the
+            # same client, so it shares the model (never run by it) and copies the tokenizer
+            return CausalLMPolicy(
+                self.model, copy.deepcopy(self.tokenizer), logprob_chunk_size=self.logprob_chunk_size,
+                logprob_path=self.logprob_path, engine=self.engine,
+            )  # fmt: skip
         if type(self.engine) not in LOCAL_ENGINES.values():
-            raise ValueError(f"async rollouts need a local engine (hf, fast), got {self.engine}")
+            raise ValueError(
+                f"async rollouts need a local engine (hf, fast) or vllm_server, got {self.engine}"
+            )
         model = copy.deepcopy(self.model).requires_grad_(False).eval()  # old_logp without dropout
         tokenizer = copy.deepcopy(self.tokenizer)  # fast tokenizers must not be shared by threads
         engine = type(self.engine)(model, tokenizer, self.engine.batch_size)

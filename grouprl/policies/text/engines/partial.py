@@ -7,7 +7,8 @@ need not finish under the weights it started with. ChunkedEngine wraps any text 
 tokens per row; before each chunk it calls `refresh()`, which may load newer weights into the
 inner engine and returns the weight version the next chunk samples with; every unfinished row then
 continues with prompt + its tokens so far as the new prompt. Each token keeps the log-prob and the
-version that sampled it (GenerationOutput.token_versions).
+version that sampled it (GenerationOutput.token_versions): the inner engine's own per-completion
+version where it reports one (vllm_server), else refresh()'s.
 
 Deviations from AReaL: AReaL interrupts generation when weights arrive (and discards the KV cache);
 here the boundary is a fixed number of tokens, and the new weights wait for the next boundary. A
@@ -78,7 +79,10 @@ class ChunkedEngine:
                 got = list(out.completion_ids[j])
                 ids[i] += got
                 logps[i] += list(out.logprobs[j])
-                versions[i] += [version] * len(got)
+                # an engine that reports the version it sampled with (vllm_server: weights pushed
+                # by the trainer, maybe newer than refresh() saw) is believed over refresh()
+                got_version = version if out.versions is None else out.versions[j]
+                versions[i] += [got_version] * len(got)
                 if out.truncated[j] and len(got) == budget:  # used the chunk: maybe more to come
                     if done + budget >= params.max_new_tokens:
                         truncated[i] = True  # the whole budget without stopping
