@@ -93,12 +93,13 @@ class ScoreView:
         self.policy, self.dist = policy, dist
 
     def log_probs(self, batch, **kwargs: Any) -> PolicyOutput:
-        def fn(rows):
-            out = self.policy.log_probs(rows, **kwargs)
-            return out.logp, out.entropy
+        """The policy's PolicyOutput (logp, entropy, extras such as a flow's step means) of the
+        whole batch, each process scoring its share of the rows."""
+        return self.dist.score_rows(lambda rows: self.policy.log_probs(rows, **kwargs), batch)
 
-        logp, entropy = self.dist.score_rows(fn, batch)
-        return PolicyOutput(logp=logp, entropy=entropy)
+    def kl(self, out: PolicyOutput, ref_out: PolicyOutput) -> Tensor:
+        """The policy's own KL (flow policies: the Gaussian mean-space KL), on gathered outputs."""
+        return self.policy.kl(out, ref_out)
 
     @contextmanager
     def reference(self) -> Iterator[Any]:
@@ -127,7 +128,7 @@ class _SplitScorer:
     def __init__(self, scorer: Any, dist: Any) -> None:
         self.scorer, self.dist = scorer, dist
 
-    def log_probs(self, batch, temperature: float = 1.0) -> Tensor:  # [N, T]
-        return self.dist.score_rows(lambda b: (self.scorer.log_probs(b, temperature), None), batch)[
-            0
-        ]
+    def log_probs(self, batch, *args: Any, **kwargs: Any) -> Any:
+        """The reference's scores of the whole batch (text: logp [N, T]; flows: a PolicyOutput),
+        each process scoring its share of the rows."""
+        return self.dist.score_rows(lambda b: self.scorer.log_probs(b, *args, **kwargs), batch)
