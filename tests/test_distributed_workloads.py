@@ -18,12 +18,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_distributed import launch_two, max_diff
 
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.runtime.checkpoint import CheckpointManager
 from grouprl.runtime.distributed.dist import Dist
 from grouprl.train import train
-from test_distributed import launch_two, max_diff
 
 NET = {"channels": [8, 16], "emb_dim": 16, "groups": 4}
 
@@ -111,6 +111,7 @@ def agent_raw(model_dir: Path):
         return {
             "run": {"name": "r", "output_dir": str(out_dir), "seed": 0, "device": "cpu",
                     "console": False, "num_threads": 1},
+            "workload": {"type": "agent"},
             "model": {"name_or_path": str(model_dir)},
             "task": {"name": "env", "options": {"env_id": "grouprl/FrozenLake-v0",
                                                 "env_kwargs": {"max_steps": 3}, "n_eval": 3}},
@@ -137,3 +138,73 @@ def test_agents_two_processes_reach_the_weights_and_eval_of_one(tmp_path, tiny_m
         assert b["episode/turns"] == a["episode/turns"]
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
     _same_eval(one, two)
+
+
+# ---- text: sharded evaluation -----------------------------------------------------------------------
+
+
+def test_text_evaluation_is_split_and_equals_one_process(tmp_path, tiny_model_dir):
+    """3 held-out problems in eval batches of 1 over 2 processes (2 + 1), greedy accuracy, length
+    and per-sample seeded pass@2: the gathered metrics equal one process's."""
+    from test_distributed import REWARDS_PY, two_process_raw
+
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(REWARDS_PY)
+
+    def raw(out_dir: Path) -> dict:
+        r = two_process_raw(out_dir, tiny_model_dir, reward_file)
+        r["task"]["options"]["n_eval"] = 3
+        r["train"]["steps"] = 1
+        r["workload"] = {"type": "text"}
+        r["eval"] = {"batch_size": 1, "pass_k": 2}
+        return r
+
+    one, two = _one_and_two(tmp_path, raw)
+    _same_eval(one, two)
+    assert "eval/pass@2" in _rows(two, "eval")[0]
+
+
+def _map_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        d = Dist(seed=3)
+        d.rank, d.world = rank, 2
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+
+        def run(part, first):  # draws from torch's RNG, as sampled evaluation does
+            return [(rank, first + i, x, float(torch.rand(1))) for i, x in enumerate(part)]
+
+        got = {u: d.map_examples(list("abcde"), run, unit=u) for u in (1, 2)}
+        assert torch.equal(torch.get_rng_state(), before)  # the global RNG did not move
+        torch.save(got, Path(out_dir) / f"{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_map_examples_splits_whole_units_and_gathers_in_order(tmp_path):
+    """2 gloo processes: process 0 evaluates the first units, process 1 the rest (units of 2: the
+    eval batches [a b] [c d] | [e]), every process gets every result in example order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_map_worker, args=(port, str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    assert got[0] == got[1]
+    for unit, owners in ((1, [0, 0, 0, 1, 1]), (2, [0, 0, 0, 0, 1])):
+        res = got[0][unit]
+        assert [r[2] for r in res] == list("abcde") and [r[1] for r in res] == list(range(5))
+        assert [r[0] for r in res] == owners
+
+
+def test_map_examples_one_process_is_the_function_itself():
+    single = Dist()
+    got = single.map_examples([10, 20, 30], lambda part, first: [(first, x) for x in part], unit=2)
+    assert got == [(0, 10), (0, 20), (0, 30)]

@@ -39,9 +39,17 @@ be on a filesystem all processes see), so a run resumes on any process count. Wi
 seeding it continues with the same samples; with global seeding process r's generation stream is
 seeded from (seed, round, r), so the samples after a resume on another count differ (same law).
 
-Not split yet: held-out evaluation (every process evaluates the whole set, identically; only the
-main process logs it). Agents (task env) sample with the forked global RNG, so their episodes
-depend on the process count. Image / video policies are refused under several processes.
+Held-out evaluation is split too (`map_examples`): each process evaluates a contiguous share of
+whole eval batches and the per-example results are gathered on every process, so the metrics are
+the one-process metrics (the main process logs them). Sampled evaluation (pass@k) draws from
+per-sample seeds with rollout.seeding per_sample; with global seeding each process's share is
+drawn from torch's RNG seeded from (seed, first example, rank) inside a restored RNG state.
+
+Workloads: text, agents (an episode's env seed is its example's, its turns' seeds come from its
+group id with per_sample seeding: episodes do not depend on the process count) and images (each
+group drawn from torch's RNG seeded from its id with per_sample seeding; the flow policy's own DDP
+view, policies/flow/wrapped.py; DDP only). Agents and images with global seeding sample from the
+per-process forked RNG, so their samples depend on the process count (same law).
 """
 
 from __future__ import annotations
@@ -172,7 +180,9 @@ class Dist:
         (the minibatch split) moves identically on every process; one process: fn runs as it is."""
         if self.world == 1:
             return list(fn(examples, 0))
-        units = [list(range(i, min(i + unit, len(examples)))) for i in range(0, len(examples), unit)]
+        units = [
+            list(range(i, min(i + unit, len(examples)))) for i in range(0, len(examples), unit)
+        ]
         share = [i for u in chunks(units, self.world)[self.rank] for i in u]
         part: list[Any] = []
         if share:

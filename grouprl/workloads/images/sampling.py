@@ -37,9 +37,9 @@ from grouprl.objectives.flow.support import stratified_timestep_indices
 from grouprl.policies.flow.fork import sample_tree_groups
 from grouprl.policies.flow.weights import OLD
 from grouprl.rollouts.filters import cat_rollouts, combined_reward
+from grouprl.rollouts.reward_metrics import nanmean_or_nan
 from grouprl.rollouts.seeds import sample_seed
 from grouprl.runtime.checkpoint import capture_rng, restore_rng
-from grouprl.rollouts.reward_metrics import nanmean_or_nan
 from grouprl.types import Rollout
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def collect(
     example for the logs), generated [N] the denoising steps each row ran (K; a tree's shared
     windows count once: rollout/sampled_actions). rollout.tree (fixed): each group sampled as a
     tree over denoising steps, branch_at in steps (policies/flow/fork.py)."""
-    d, g = cfg.diffusion, cfg.rollout.group_size
+    g = cfg.rollout.group_size
     if needs_old_weights(cfg) and not has_old_weights(policy):
         policy.update_old(0.0)  # the first call copies the current weights
 
@@ -182,7 +182,9 @@ def collect(
     return rollout, errors
 
 
-def _sample(cfg: Any, policy: FlowPolicy, cond: Any, group_ids: Tensor, optimizer_step: int) -> Rollout:
+def _sample(
+    cfg: Any, policy: FlowPolicy, cond: Any, group_ids: Tensor, optimizer_step: int
+) -> Rollout:
     """rollout.group_size chains per condition row: flat, a tree (rollout.tree), or with the old
     weights (DiffusionNFT)."""
     d = cfg.diffusion
