@@ -208,3 +208,25 @@ def test_map_examples_one_process_is_the_function_itself():
     single = Dist()
     got = single.map_examples([10, 20, 30], lambda part, first: [(first, x) for x in part], unit=2)
     assert got == [(0, 10), (0, 20), (0, 30)]
+
+
+def test_a_per_sample_seeded_image_group_does_not_depend_on_the_batch_or_the_global_rng(tmp_path):
+    from grouprl.envs.tasks import build_task
+    from grouprl.workloads import build_policy, build_rewards
+    from grouprl.workloads.images import sampling as images
+
+    cfg = validate(apply_overrides(images_raw(tmp_path), []))
+    torch.manual_seed(0)
+    policy = build_policy(cfg, torch.device("cpu"))
+    task = build_task(cfg.task.name, **cfg.task.options)
+    rewards, _ = build_rewards(cfg, task)
+    exs = task.train[:3]
+    both, _ = images.collect(cfg, policy, exs, rewards, first_group_id=5, seed=0)
+    state = torch.get_rng_state()
+    alone, _ = images.collect(cfg, policy, exs[1:2], rewards, first_group_id=6, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG was not used
+    g = cfg.rollout.group_size
+    assert torch.equal(both.actions.latents[g : 2 * g], alone.actions.latents)
+    assert torch.equal(both.rewards["color_area"][g : 2 * g], alone.rewards["color_area"])
+    other, _ = images.collect(cfg, policy, exs[1:2], rewards, first_group_id=6, seed=1)
+    assert not torch.equal(other.actions.latents, alone.actions.latents)
