@@ -193,15 +193,13 @@ def test_the_dotted_override_path_reaches_the_section():
 
 
 @pytest.mark.parametrize("model_type", ["flow", "unet"])
-def test_per_sample_seeding_is_refused_for_image_rollouts(model_type):
+def test_per_sample_seeding_is_accepted_for_image_rollouts(model_type):
+    """Image rollouts draw each group from torch's RNG seeded by (run.seed, group id)."""
     image = {
         "workload": {"type": "images"},
         "model": {"name_or_path": "tiny", "type": model_type},
         "task": {"name": "image_prompts"},
     }
-    with pytest.raises(
-        ConfigError, match="workload 'images' does not support rollout.seeding per_sample"
-    ):
-        validate({**image, "rollout": {"seeding": "per_sample"}})
+    assert validate({**image, "rollout": {"seeding": "per_sample"}}).rollout.seeding == "per_sample"
     validate({**image, "rollout": {"seeding": "global"}})
     validate({**TEXT, "rollout": {"seeding": "per_sample"}})  # text: fine

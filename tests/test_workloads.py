@@ -255,13 +255,19 @@ def test_each_workload_names_its_accuracy_metric(tmp_path):
     assert images.accuracy_key() == "aesthetic"
 
 
+def _vlm(tmp_path, *o):
+    raw = {"run": {"output_dir": str(tmp_path)}, "workload": {"type": "vlm"},
+           "model": {"name_or_path": "tiny", "type": "vlm"}, "task": {"name": "visual_shapes"},
+           "rewards": [{"name": "accuracy"}]}  # fmt: skip
+    return validate(apply_overrides(raw, list(o)))
+
+
 @pytest.mark.parametrize(
     ("make", "overrides", "world", "message"),
     [
         (_agent, ["train.async_mode=one_step_off"], 1, "train.async_mode one_step_off"),
         (_images, ["train.async_mode=one_step_off"], 1, "train.async_mode one_step_off"),
-        (_images, [], 2, "several processes"),
-        (_images, ["rollout.seeding=per_sample"], 1, "rollout.seeding per_sample"),
+        (_vlm, [], 2, "several processes"),
         (_agent, ["curriculum.type=dump"], 1, "curriculum.type dump"),
         (_agent, ["rollout.max_prompt_tokens=64"], 1, "rollout.max_prompt_tokens"),
         (_images, ["rollout.max_prompt_tokens=64"], 1, "rollout.max_prompt_tokens"),
@@ -275,6 +281,12 @@ def test_capabilities_refuse_what_a_workload_cannot_do(tmp_path, make, overrides
         cfg = make(tmp_path, *overrides)
         with pytest.raises(ValueError, match=f"does not support {message}"):
             refuse_unsupported(workload_of(cfg), cfg, world)
+
+
+def test_images_and_agents_run_under_several_processes_with_per_sample_seeds(tmp_path):
+    for cfg in (_images(tmp_path, "rollout.seeding=per_sample"),
+                _agent(tmp_path, "rollout.seeding=per_sample")):  # fmt: skip
+        refuse_unsupported(workload_of(cfg), cfg, world=2)  # no error
 
 
 def test_text_supports_everything_the_refusals_name(tmp_path):

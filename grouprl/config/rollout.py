@@ -99,7 +99,8 @@ class RolloutConfig(Section):
         description="global: torch's RNG; per_sample: each completion samples from its own "
         "generator seeded by (run.seed, group id, index; agents: and the turn), so samples do not "
         "depend on the process count, the batch split or other RNG use (multi-process and async "
-        "runs reproduce). Text rollouts only (an error with model.type flow / unet).",
+        "runs reproduce). Images / video: each group is drawn alone from torch's RNG seeded by "
+        "(run.seed, group id), restored after.",
     )
     old_logp: Literal["recompute", "engine"] = Field(
         "recompute",

@@ -107,7 +107,7 @@ class AgentWorkload:
         return {}
 
     def evaluate(self, examples: list[dict], *, step: int) -> tuple[dict[str, float], list[dict]]:
-        return evaluate(self.cfg, self.policy, examples, self.params)
+        return evaluate(self.cfg, self.policy, examples, self.params, dist=self.dist)
 
     def accuracy_key(self) -> str:
         return "success"
@@ -220,28 +220,49 @@ def episode_metrics(rollout: Rollout, prefix: str = "episode") -> dict[str, floa
 
 @torch.no_grad()
 def evaluate(
-    cfg: Any, policy: Any, examples: list[dict], params: SamplingParams, *, n_samples: int = 3
+    cfg: Any,
+    policy: Any,
+    examples: list[dict],
+    params: SamplingParams,
+    *,
+    n_samples: int = 3,
+    dist: Any = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """Greedy episodes from the held-out seeds: success rate, mean return, turns, invalid actions;
     with eval.pass_k = k > 0 also k sampled episodes per seed (the rollout temperature):
     `sampled_success` (their mean) and `pass@k` (some episode of the seed succeeded).
-    rows = the first `n_samples` greedy transcripts for samples.md."""
-    rollout = collect(cfg, policy, examples, params, group_size=1, greedy=True)
-    m = episode_metrics(rollout, prefix="x")
-    metrics = {
-        "accuracy": m["x/success"],  # "accuracy" = success rate: the number the curves show
-        "return": m["x/return"],
-        "turns": m["x/turns"],
-        "invalid_actions": m["x/invalid_actions"],
-    }
+    rows = the first `n_samples` greedy transcripts for samples.md. dist (several processes):
+    each process runs the episodes of a contiguous share of the seeds, the per-seed results are
+    gathered (runtime/distributed Dist.map_examples); the sampled episodes of seed i are group i
+    (with rollout.seeding per_sample their turns are seeded from it, whatever the process)."""
     k = cfg.eval.pass_k
+
+    def run(part: list[dict], first: int) -> list[dict]:
+        greedy = collect(cfg, policy, part, params, group_size=1, greedy=True)
+        info = greedy.info
+        out = [{"success": float(bool(info["success"][i])),
+                "return": float(greedy.rewards["return"][i]), "turns": float(info["turns"][i]),
+                "invalid_actions": float(info["invalid_actions"][i]),
+                "transcript": info["transcript"][i]} for i in range(len(part))]  # fmt: skip
+        if k > 0:
+            sampled = collect(cfg, policy, part, params, group_size=k, first_group_id=first)
+            success = torch.tensor(sampled.info["success"], dtype=torch.float32).view(-1, k)
+            for i, r in enumerate(out):
+                r["sampled"] = success[i].tolist()  # [k]
+        return out
+
+    results = run(examples, 0) if dist is None else dist.map_examples(examples, run)
+    n = max(len(results), 1)
+    metrics = {  # "accuracy" = success rate: the number the curves show
+        name: sum(r[key] for r in results) / n
+        for name, key in (("accuracy", "success"), ("turns", "turns"),
+                          ("invalid_actions", "invalid_actions"))
+    }  # fmt: skip
+    metrics["return"] = float(torch.tensor([r["return"] for r in results]).mean())
     if k > 0:
-        sampled = collect(cfg, policy, examples, params, group_size=k)
-        success = torch.tensor(sampled.info["success"], dtype=torch.float32).view(-1, k)  # [S, k]
+        success = torch.tensor([r["sampled"] for r in results], dtype=torch.float32)  # [S, k]
         metrics["sampled_success"] = float(success.mean())
         metrics[f"pass@{k}"] = float(success.amax(-1).mean())
-    rows = [
-        {"seed": ex["seed"], "transcript": t, "success": float(s)}
-        for ex, t, s in zip(examples, rollout.info["transcript"], rollout.info["success"])
-    ][:n_samples]
+    rows = [{"seed": ex["seed"], "transcript": r["transcript"], "success": r["success"]}
+            for ex, r in zip(examples, results)][:n_samples]  # fmt: skip
     return metrics, rows

@@ -20,6 +20,7 @@ from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
 from grouprl.policies.text.teacher import TeacherModel
 from grouprl.rollouts.batching import single_pass
+from grouprl.rollouts.seeds import sample_seed
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
@@ -207,9 +208,11 @@ class TextWorkload:
         e = self.cfg.eval
         metrics, rows = evaluate(
             self.policy, examples, self.reward_fns, self.params,
-            batch_size=e.batch_size, pass_k=e.pass_k,
+            batch_size=e.batch_size, pass_k=e.pass_k, dist=self.dist,
+            seed=self.cfg.run.seed if self.cfg.rollout.seeding == "per_sample" else None,
         )  # fmt: skip
-        metrics.update(drain_reward_metrics(self.reward_fns))  # isolated rewards' counts
+        # isolated rewards' counts, summed over processes
+        metrics.update(self.dist.sum_counts(drain_reward_metrics(self.reward_fns)))
         return metrics, rows
 
     def accuracy_key(self) -> str:
@@ -244,37 +247,65 @@ def evaluate(
     batch_size: int,
     pass_k: int = 0,
     n_samples: int = 4,
+    dist: Any = None,
+    seed: int | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """Greedy accuracy (mean of the correctness reward, NaN counted as wrong), mean greedy length,
     and pass@k (k samples at the rollout temperature; a problem passes if any sample scores >= 1).
+
+    dist (several processes): each process evaluates a contiguous share of whole batches of
+    `batch_size` examples (the batches of one process) and the per-example results are gathered
+    (runtime/distributed Dist.map_examples), so the metrics are the one-process metrics. seed
+    (rollout.seeding per_sample): the pass@k samples of example i come from per-sample generators
+    seeded from (eval_seed(seed), i, j), independent of the batches and the process count; None:
+    torch's global RNG.
 
     Returns (metrics, rows): rows are the first `n_samples` greedy completions for the sample table.
     """
     key = accuracy_key(reward_fns)
     scorer = {key: reward_fns[key]}
-    correct, lengths, passed, rows = [], [], [], []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        greedy, _ = collect(policy, chunk, 1, params, scorer, greedy=True)
-        correct.append(torch.nan_to_num(greedy.rewards[key], nan=0.0))  # [b]
-        lengths.append(greedy.actions.lengths.float())  # [b]
-        for i in range(min(len(chunk), n_samples - len(rows))):
-            rows.append(
-                {
-                    "prompt": greedy.info["prompt"][i],
-                    "completion": greedy.info["completion"][i],
-                    key: float(greedy.rewards[key][i]),
-                    "answer": chunk[i].get("answer", ""),
-                }
-            )
-        if pass_k > 0:
-            sampled, _ = collect(policy, chunk, pass_k, replace(params), scorer)
-            best = torch.nan_to_num(sampled.rewards[key], nan=0.0).view(len(chunk), pass_k)
-            passed.append((best.max(1).values >= 1.0).float())  # [b]
+    seeded = {} if seed is None else {"seed": eval_seed(seed)}
+
+    def run(part: list[dict], first: int) -> list[dict]:
+        out: list[dict] = []
+        for start in range(0, len(part), batch_size):
+            chunk = part[start : start + batch_size]
+            greedy, _ = collect(policy, chunk, 1, params, scorer, greedy=True)
+            correct = torch.nan_to_num(greedy.rewards[key], nan=0.0)  # [b]
+            lengths = greedy.actions.lengths.float()  # [b]
+            passed = None
+            if pass_k > 0:
+                sampled, _ = collect(policy, chunk, pass_k, replace(params), scorer,
+                                     first_group_id=first + start, **seeded)  # fmt: skip
+                best = torch.nan_to_num(sampled.rewards[key], nan=0.0).view(len(chunk), pass_k)
+                passed = (best.max(1).values >= 1.0).float()  # [b]
+            out += [{"correct": float(correct[i]), "length": float(lengths[i]),
+                     "passed": None if passed is None else float(passed[i]),
+                     "row": {"prompt": greedy.info["prompt"][i],
+                             "completion": greedy.info["completion"][i],
+                             key: float(greedy.rewards[key][i]),
+                             "answer": chunk[i].get("answer", "")}}
+                    for i in range(len(chunk))]  # fmt: skip
+        return out
+
+    results = (
+        run(examples, 0) if dist is None else dist.map_examples(examples, run, unit=batch_size)
+    )
     metrics = {
-        "accuracy": float(torch.cat(correct).mean()),
-        "response_length": float(torch.cat(lengths).mean()),
+        "accuracy": _mean([r["correct"] for r in results]),
+        "response_length": _mean([r["length"] for r in results]),
     }
     if pass_k > 0:
-        metrics[f"pass@{pass_k}"] = float(torch.cat(passed).mean())
-    return metrics, rows
+        metrics[f"pass@{pass_k}"] = _mean([r["passed"] for r in results])
+    return metrics, [r["row"] for r in results[:n_samples]]
+
+
+def eval_seed(seed: int) -> int:
+    """The seed of evaluation's sampled completions in a run seeded `seed` (a stream of its own,
+    apart from the training samples' per-sample seeds)."""
+    return sample_seed(seed, -1, 0)
+
+
+def _mean(values: list[float]) -> float:
+    """The float32 mean, as torch.cat(...).mean() of the per-batch tensors gave it."""
+    return float(torch.tensor(values, dtype=torch.float32).mean())

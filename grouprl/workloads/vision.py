@@ -127,9 +127,10 @@ class VisionLanguageWorkload:
         e = self.cfg.eval
         metrics, rows = evaluate(
             self.policy, examples, self.reward_fns, self.params,
-            batch_size=e.batch_size, pass_k=e.pass_k,
+            batch_size=e.batch_size, pass_k=e.pass_k, dist=self.dist,
+            seed=self.cfg.run.seed if self.cfg.rollout.seeding == "per_sample" else None,
         )  # fmt: skip
-        metrics.update(drain_reward_metrics(self.reward_fns))
+        metrics.update(self.dist.sum_counts(drain_reward_metrics(self.reward_fns)))
         return metrics, [self._log_row(row, step, i) for i, row in enumerate(rows)]
 
     def accuracy_key(self) -> str:

@@ -22,6 +22,7 @@ Public API (everything a loop or a user touches):
                                                         std [n, K], kl_var [n, K]
   .score_with(model, batch, steps) -> PolicyOutput      the same under other weights (no grad)
   .predict(model, x, cols, k, cond, gscale) -> [B, *latent]  one denoiser call (CFG, dtypes)
+  .scoring_module() / .with_scoring_module(m)           several processes (DDP): wrapped.py
   .reference() -> context yielding .log_probs(batch) (no grad): LoRA off, or a lazy frozen copy
   .kl(out, ref_out) -> [n, K];  .reference_kl(batch, out) -> [n, K]
   .decode(latents) -> images Float[N, 3, H, W] (video [N, 3, F, H, W]) in [0, 1]
@@ -91,6 +92,7 @@ from grouprl.policies.flow.steps import score_chain
 from grouprl.policies.flow.text_encoders import PromptEncoder
 from grouprl.policies.flow.types import FlowBatch, FlowCondition, check_choice
 from grouprl.policies.flow.weights import FlowWeights, enable_gradient_checkpointing
+from grouprl.policies.flow.wrapped import FlowScoringModule, WrappedFlowPolicy
 from grouprl.policies.precision import as_dtype, compute, compute_dtype_of
 from grouprl.types import PolicyOutput, Rollout
 
@@ -229,6 +231,21 @@ class FlowPolicy:
         Options (steps, mode, generator, group_ids, optimizer_step, guidance_scale, chunk_size,
         store_means): sampling.sample_groups."""
         return sample_groups(self, cond, group_size, **options)
+
+    def scoring_module(self, path: str | None = None) -> torch.nn.Module:
+        """The module several processes wrap (DDP): its forward scores stored chains
+        (wrapped.py). path: the log-prob path a sharded backend asks for; flows train under DDP
+        only, so any is refused."""
+        if path is not None:
+            raise ValueError(
+                "image / video policies train under several processes with DDP only "
+                "(configs/accelerate/ddp.yaml); FSDP2 and DeepSpeed are not supported for them"
+            )
+        return FlowScoringModule(self)
+
+    def with_scoring_module(self, module: Any) -> WrappedFlowPolicy:
+        """This policy as the loop sees it once `module` (from scoring_module) is wrapped."""
+        return WrappedFlowPolicy(self, module)
 
     # ---- scoring ------------------------------------------------------------------------------
 

@@ -39,9 +39,17 @@ be on a filesystem all processes see), so a run resumes on any process count. Wi
 seeding it continues with the same samples; with global seeding process r's generation stream is
 seeded from (seed, round, r), so the samples after a resume on another count differ (same law).
 
-Not split yet: held-out evaluation (every process evaluates the whole set, identically; only the
-main process logs it). Agents (task env) sample with the forked global RNG, so their episodes
-depend on the process count. Image / video policies are refused under several processes.
+Held-out evaluation is split too (`map_examples`): each process evaluates a contiguous share of
+whole eval batches and the per-example results are gathered on every process, so the metrics are
+the one-process metrics (the main process logs them). Sampled evaluation (pass@k) draws from
+per-sample seeds with rollout.seeding per_sample; with global seeding each process's share is
+drawn from torch's RNG seeded from (seed, first example, rank) inside a restored RNG state.
+
+Workloads: text, agents (an episode's env seed is its example's, its turns' seeds come from its
+group id with per_sample seeding: episodes do not depend on the process count) and images (each
+group drawn from torch's RNG seeded from its id with per_sample seeding; the flow policy's own DDP
+view, policies/flow/wrapped.py; DDP only). Agents and images with global seeding sample from the
+per-process forked RNG, so their samples depend on the process count (same law).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -148,20 +157,44 @@ class Dist:
         """What prepare() scores with: the policy, or a view that splits rows over processes."""
         return policy if self.world == 1 else ScoreView(policy, self)
 
-    def score_rows(self, fn, batch: Any) -> tuple[Tensor, Tensor | None]:
-        """fn(rows of `batch`) -> (logp, entropy | None) on this process's equal share of rows,
-        all-gathered to [N, T]. A process without rows scores row 0 and drops it (FSDP needs every
-        process to run the forward)."""
-        n = batch.completion_ids.shape[0]
+    def score_rows(self, fn, batch: Any) -> Any:
+        """fn(rows of `batch`) on this process's equal share of rows, all-gathered to the whole
+        batch: fn returns a tensor [n_r, ...], or a tuple / dict / dataclass (PolicyOutput) of
+        them (None kept); the result has the same structure with N rows. A process without rows
+        scores row 0 and drops it (FSDP / DDP need every process to run the forward)."""
+        n = len(batch) if hasattr(type(batch), "__len__") else next(_tensors(batch)).shape[0]
         share = chunks(list(range(n)), self.world)[self.rank]
-        logp, entropy = fn(select_rows(batch, torch.tensor(share or [0]), n))  # [n_r, T] each
-        keep = slice(None) if share else slice(0, 0)
-        parts = self.all_gather_object(
-            (logp[keep].cpu(), None if entropy is None else entropy[keep].cpu())
-        )
-        gathered = torch.cat([p[0] for p in parts]).to(logp.device)  # [N, T]
-        ent = None if entropy is None else torch.cat([p[1] for p in parts]).to(logp.device)
-        return gathered, ent
+        idx = torch.tensor(share or [0])
+        rows = batch.select(idx) if hasattr(batch, "select") else select_rows(batch, idx, n)
+        out = fn(rows)
+        keep = len(share)
+        parts = self.all_gather_object(_rows_to_cpu(out, keep))
+        return _cat_rows(parts, _device_of(out))
+
+    def map_examples(self, examples: list[Any], fn, *, unit: int = 1) -> list[Any]:
+        """Sharded evaluation: fn(this process's examples, index of the first) -> one result per
+        example, on a contiguous share of whole `unit`s of examples (an eval batch: the batches
+        are the one-process batches, so batch-dependent results match); the results of every
+        process, in example order, on every process. Several processes: fn runs inside a
+        saved-and-restored global RNG seeded from (seed, first example, rank), so the global RNG
+        (the minibatch split) moves identically on every process; one process: fn runs as it is."""
+        if self.world == 1:
+            return list(fn(examples, 0))
+        units = [
+            list(range(i, min(i + unit, len(examples)))) for i in range(0, len(examples), unit)
+        ]
+        share = [i for u in chunks(units, self.world)[self.rank] for i in u]
+        part: list[Any] = []
+        if share:
+            rng = capture_rng()
+            try:
+                torch.manual_seed(sample_seed(self.seed, -1 - share[0], self.rank))
+                part = list(fn([examples[i] for i in share], share[0]))
+            finally:
+                restore_rng(rng)
+            if len(part) != len(share):
+                raise ValueError(f"map_examples: {len(part)} results for {len(share)} examples")
+        return [x for p in self.all_gather_object(part) for x in p]
 
     def split_batch(self, rollout: Rollout, minibatches: int, micro_size: int | None, *,
                     whole_groups: bool) -> Iterator[tuple[Tensor, list[Tensor]]]:  # fmt: skip
@@ -229,13 +262,19 @@ class Dist:
     # ---- the model ------------------------------------------------------------------------------
 
     def prepare(self, policy: Any, optimizer: Any) -> tuple[Any, Any]:
-        """Wrap the policy's model for this backend (DDP, FSDP2, DeepSpeed through accelerate)."""
+        """Wrap the policy's model for this backend (DDP, FSDP2, DeepSpeed through accelerate).
+        The policy's `scoring_module(path)` is what is wrapped; a policy with its own
+        `with_scoring_module(module)` (flows) returns its view of itself around the wrapped module,
+        text policies get DistributedPolicy."""
         if self.backend is None:
             return policy, optimizer
         module = policy.scoring_module(
             getattr(self.backend, "scoring_path", None)
         )  # sharded: plain
         module, optimizer = self.backend.wrap(policy, module, optimizer)
+        own_view = getattr(policy, "with_scoring_module", None)  # e.g. flow policies' view
+        if own_view is not None:
+            return own_view(module), optimizer
         return DistributedPolicy(policy, module, self.backend), optimizer
 
     # ---- main-process-only I/O ------------------------------------------------------------------
@@ -273,6 +312,57 @@ def setup(cfg: Any) -> Dist:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _rows_to_cpu(value: Any, keep: int) -> Any:
+    """The first `keep` rows of every tensor in `value` (tensor, tuple, list, dict, dataclass),
+    on the CPU, for the gather."""
+    if isinstance(value, Tensor):
+        return value[:keep].cpu()
+    if isinstance(value, tuple | list):
+        return type(value)(_rows_to_cpu(v, keep) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows_to_cpu(v, keep) for k, v in value.items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return replace(value, **{f.name: _rows_to_cpu(getattr(value, f.name), keep)
+                                 for f in fields(value)})  # fmt: skip
+    return value
+
+
+def _cat_rows(parts: list[Any], device: torch.device) -> Any:
+    """The processes' row shares (same structure) concatenated along rows, on `device`."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(parts).to(device)
+    if isinstance(first, tuple | list):
+        return type(first)(_cat_rows([p[i] for p in parts], device) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _cat_rows([p[k] for p in parts], device) for k in first}
+    if hasattr(first, "__dataclass_fields__"):
+        return replace(first, **{f.name: _cat_rows([getattr(p, f.name) for p in parts], device)
+                                 for f in fields(first)})  # fmt: skip
+    return first
+
+
+def _device_of(value: Any) -> torch.device:
+    """The device of the first tensor in `value` (CPU when it holds none)."""
+    for t in _tensors(value):
+        return t.device
+    return torch.device("cpu")
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif hasattr(value, "__dataclass_fields__"):
+        for f in fields(value):
+            yield from _tensors(getattr(value, f.name))
 
 
 def _sum_dicts(parts: list[dict]) -> dict:

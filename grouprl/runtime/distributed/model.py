@@ -2,9 +2,12 @@
 
 - the module DDP / FSDP2 / DeepSpeed wrap is the policy's `scoring_module()` (for text policies
   policies/text/scoring_module.py): its forward is the scoring call, where their hooks run.
-- `DistributedPolicy`: the policy whose `log_probs` and parameters are the wrapped module's.
+- `DistributedPolicy`: the text policy whose `log_probs` and parameters are the wrapped module's
+  (a policy with its own `with_scoring_module`, e.g. flows' policies/flow/wrapped.py, brings its
+  own view instead).
 - `ScoreView`: what prepare() scores with: each process scores an equal share of the rows and the
-  results are all-gathered (old / reference log-probs of the whole batch, never duplicated).
+  results (the whole PolicyOutput: logp, entropy, extras such as a flow's step means) are
+  all-gathered (old / reference scores of the whole batch, never duplicated).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def _policy_attr(name: str, settable: bool = False) -> property:
     return property(get, put if settable else None, doc=f"The wrapped policy's `{name}`.")
 
 
-# CausalLMPolicy's surface (several processes train text policies only: dist.check_world),
+# CausalLMPolicy's surface (flow policies bring their own view: with_scoring_module),
 # minus what a wrapper defines itself: its attributes, then its methods
 _TEXT_POLICY = {
     "model": _policy_attr("model"), "tokenizer": _policy_attr("tokenizer"),
@@ -93,12 +96,13 @@ class ScoreView:
         self.policy, self.dist = policy, dist
 
     def log_probs(self, batch, **kwargs: Any) -> PolicyOutput:
-        def fn(rows):
-            out = self.policy.log_probs(rows, **kwargs)
-            return out.logp, out.entropy
+        """The policy's PolicyOutput (logp, entropy, extras such as a flow's step means) of the
+        whole batch, each process scoring its share of the rows."""
+        return self.dist.score_rows(lambda rows: self.policy.log_probs(rows, **kwargs), batch)
 
-        logp, entropy = self.dist.score_rows(fn, batch)
-        return PolicyOutput(logp=logp, entropy=entropy)
+    def kl(self, out: PolicyOutput, ref_out: PolicyOutput) -> Tensor:
+        """The policy's own KL (flow policies: the Gaussian mean-space KL), on gathered outputs."""
+        return self.policy.kl(out, ref_out)
 
     @contextmanager
     def reference(self) -> Iterator[Any]:
@@ -127,7 +131,7 @@ class _SplitScorer:
     def __init__(self, scorer: Any, dist: Any) -> None:
         self.scorer, self.dist = scorer, dist
 
-    def log_probs(self, batch, temperature: float = 1.0) -> Tensor:  # [N, T]
-        return self.dist.score_rows(lambda b: (self.scorer.log_probs(b, temperature), None), batch)[
-            0
-        ]
+    def log_probs(self, batch, *args: Any, **kwargs: Any) -> Any:
+        """The reference's scores of the whole batch (text: logp [N, T]; flows: a PolicyOutput),
+        each process scoring its share of the rows."""
+        return self.dist.score_rows(lambda b: self.scorer.log_probs(b, *args, **kwargs), batch)

@@ -29,12 +29,20 @@ class ImagesWorkload:
     """See the module docstring."""
 
     name: ClassVar[str] = "images"
-    capabilities: ClassVar[Capabilities] = Capabilities(curriculum=True, tree_rollouts=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        multi_process=True, per_sample_seeding=True, curriculum=True, tree_rollouts=True
+    )
     settings: ClassVar[type] = DiffusionConfig
 
-    def __init__(self, parts: Parts) -> None:  # one process: parts.dist is SINGLE
-        self.cfg, self.policy = parts.cfg, parts.policy
+    def __init__(self, parts: Parts) -> None:
+        self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
         self.reward_fns, self.weights = parts.reward_fns, parts.weights
+        if self.dist.world > 1 and images.likelihood_free(self.cfg):
+            raise ValueError(
+                f"diffusion.objective {self.cfg.diffusion.objective.type!r} with "
+                f"{self.dist.world} processes is not supported (its forward-noising denoiser "
+                "calls bypass DDP's gradient synchronisation); use policy_gradient, or one process"
+            )
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:
@@ -52,12 +60,18 @@ class ImagesWorkload:
     def collect(
         self, policy: Any, examples: list[dict], *, first_group_id: int, step: int
     ) -> Collected:
-        a, first_errors = self.cfg.algorithm, {}
-        rollout, errors = images.collect(
-            self.cfg, policy, examples, self.reward_fns, first_group_id=first_group_id,
-            optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
-            first_errors=first_errors,
-        )  # fmt: skip
+        cfg, first_errors = self.cfg, {}
+        a = cfg.algorithm
+        seed = cfg.run.seed if cfg.rollout.seeding == "per_sample" else None
+
+        def make(part: list[dict], first: int) -> tuple[Rollout, dict]:
+            return images.collect(
+                cfg, policy, part, self.reward_fns, first_group_id=first,
+                optimizer_step=step * a.epochs * a.minibatches,  # MixGRPO's window position
+                first_errors=first_errors, seed=seed,
+            )  # fmt: skip
+
+        rollout, errors = self.dist.gather_groups(examples, first_group_id, make)
         return Collected(rollout, len(rollout), errors, first_errors)
 
     def postprocess(self, rollout: Rollout) -> tuple[Rollout | None, dict[str, float]]:
@@ -83,8 +97,9 @@ class ImagesWorkload:
     def evaluate(self, examples: list[dict], *, step: int) -> tuple[dict[str, float], list[dict]]:
         # fixed prompts and seeds; the image grid goes to run_dir/images/
         return images.evaluate(
-            self.cfg, self.policy, examples, self.reward_fns, self.weights, step=step
-        )
+            self.cfg, self.policy, examples, self.reward_fns, self.weights, step=step,
+            dist=self.dist,
+        )  # fmt: skip
 
     def accuracy_key(self) -> str:
         return accuracy_key(self.reward_fns)

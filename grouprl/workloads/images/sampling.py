@@ -23,8 +23,9 @@ KL, GRPO-Guard, DiffusionNFT / AWM) is workloads/images/loss.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,10 @@ from grouprl.envs.rewards import score_completions
 from grouprl.objectives.flow.support import stratified_timestep_indices
 from grouprl.policies.flow.fork import sample_tree_groups
 from grouprl.policies.flow.weights import OLD
-from grouprl.rollouts.filters import combined_reward
+from grouprl.rollouts.filters import cat_rollouts, combined_reward
 from grouprl.rollouts.reward_metrics import nanmean_or_nan
+from grouprl.rollouts.seeds import sample_seed
+from grouprl.runtime.checkpoint import capture_rng, restore_rng
 from grouprl.types import Rollout
 
 if TYPE_CHECKING:
@@ -133,33 +136,36 @@ def collect(
     first_group_id: int = 0,
     optimizer_step: int = 0,
     first_errors: dict[str, str] | None = None,
+    seed: int | None = None,
 ) -> tuple[Rollout, dict[str, int]]:
     """rollout.group_size images per example, decoded and scored; returns (Rollout, error counts).
+    seed: rollout.seeding per_sample, each group sampled alone with torch's RNG seeded from
+    (seed, group id) and restored after, so a group's images depend on its id and the weights
+    only (not on the batch, the process count or the global RNG); None: the batch from the
+    global RNG.
 
     Rollout: actions FlowBatch, old_logp / mask [N, K] (likelihood-free: mask = the candidate
     training timesteps), rewards name -> Float[N], examples (one per sample; also info prompt /
     example for the logs), generated [N] the denoising steps each row ran (K; a tree's shared
     windows count once: rollout/sampled_actions). rollout.tree (fixed): each group sampled as a
     tree over denoising steps, branch_at in steps (policies/flow/fork.py)."""
-    d, g = cfg.diffusion, cfg.rollout.group_size
-    cond = CONDITIONS[cfg.model.condition](cfg, policy, examples)
-    group_ids = torch.arange(first_group_id, first_group_id + len(examples))  # [B]
-    mode = "eval" if d.sampler == "ode" else "rollout"  # eval mode: every step deterministic
-    nft = d.objective.type == "diffusion_nft"
+    g = cfg.rollout.group_size
     if needs_old_weights(cfg) and not has_old_weights(policy):
         policy.update_old(0.0)  # the first call copies the current weights
-    guard = getattr(d.objective, "ratio_norm", "off") == "grpo_guard"  # policy_gradient only
-    kwargs = dict(steps=d.rollout_steps, mode=mode, group_ids=group_ids,
-                  optimizer_step=optimizer_step, store_means=guard)  # fmt: skip
-    tree = cfg.rollout.tree
-    if tree.type != "none":  # each group a tree over denoising steps (policies/flow/fork.py)
-        rollout = sample_tree_groups(policy, cond, tree.branching, tree.offsets(d.rollout_steps),
-                                     **kwargs)  # fmt: skip
-    elif nft:  # DiffusionNFT samples with its old weights
-        with policy.old_weights():
-            rollout = policy.sample(cond, g, **kwargs)
-    else:
-        rollout = policy.sample(cond, g, **kwargs)
+
+    def draw(part: list[dict], first: int) -> Rollout:
+        cond = CONDITIONS[cfg.model.condition](cfg, policy, part)
+        group_ids = torch.arange(first, first + len(part))  # [B]
+        return _sample(cfg, policy, cond, group_ids, optimizer_step)
+
+    if seed is None:  # global seeding: the batch's noise from torch's global RNG
+        rollout = draw(examples, first_group_id)
+    else:  # per_sample: each group from a generator of its own (the global RNG untouched)
+        parts = []
+        for i, ex in enumerate(examples):
+            with seeded_rng(sample_seed(seed, first_group_id + i, 0)):
+                parts.append(draw([ex], first_group_id + i))
+        rollout = cat_rollouts(parts)
     if rollout.generated is None:  # flat: every image ran its K steps
         k = rollout.actions.num_steps
         rollout.generated = torch.full((len(rollout),), k, dtype=torch.long)  # [N]
@@ -176,6 +182,37 @@ def collect(
     return rollout, errors
 
 
+def _sample(
+    cfg: Any, policy: FlowPolicy, cond: Any, group_ids: Tensor, optimizer_step: int
+) -> Rollout:
+    """rollout.group_size chains per condition row: flat, a tree (rollout.tree), or with the old
+    weights (DiffusionNFT)."""
+    d = cfg.diffusion
+    mode = "eval" if d.sampler == "ode" else "rollout"  # eval mode: every step deterministic
+    guard = getattr(d.objective, "ratio_norm", "off") == "grpo_guard"  # policy_gradient only
+    kwargs = dict(steps=d.rollout_steps, mode=mode, group_ids=group_ids,
+                  optimizer_step=optimizer_step, store_means=guard)  # fmt: skip
+    tree = cfg.rollout.tree
+    if tree.type != "none":  # each group a tree over denoising steps (policies/flow/fork.py)
+        return sample_tree_groups(policy, cond, tree.branching, tree.offsets(d.rollout_steps),
+                                  **kwargs)  # fmt: skip
+    if d.objective.type == "diffusion_nft":  # DiffusionNFT samples with its old weights
+        with policy.old_weights():
+            return policy.sample(cond, cfg.rollout.group_size, **kwargs)
+    return policy.sample(cond, cfg.rollout.group_size, **kwargs)
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """torch's global RNG seeded with `seed` inside, restored to its state before on exit."""
+    state = capture_rng()
+    try:
+        torch.manual_seed(seed)
+        yield
+    finally:
+        restore_rng(state)
+
+
 # ---- evaluation --------------------------------------------------------------------------------
 
 
@@ -189,25 +226,37 @@ def evaluate(
     *,
     step: int,
     n_samples: int = 8,
+    dist: Any = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """Mean of each reward and of the weighted sum ("reward") over the held-out images drawn with
-    diffusion.eval_steps deterministic steps; saves the image grid; rows for samples.md."""
-    images, rewards = [], []
-    for start in range(0, len(examples), cfg.eval.batch_size):
-        chunk = examples[start : start + cfg.eval.batch_size]
-        gen = torch.Generator().manual_seed(int(chunk[0].get("seed", start)))
-        cond = CONDITIONS[cfg.model.condition](cfg, policy, chunk)
-        out = policy.sample(cond, 1, mode="eval", generator=gen)
-        imgs = policy.decode(out.actions.final).cpu()  # [b, 3, ...]
-        scores, _ = score_images(reward_fns, imgs, chunk, fail_fast=cfg.run.fail_fast)
-        images.append(imgs)
-        rewards.append(scores)
-    imgs = torch.cat(images)  # [E, 3, ...]
-    scores = {k: torch.cat([r[k] for r in rewards]) for k in rewards[0]}  # name -> [E]
+    diffusion.eval_steps deterministic steps; saves the image grid (main process); rows for
+    samples.md. dist (several processes): each draws and scores a share of whole eval batches
+    (runtime/distributed map_examples), the images and scores are gathered."""
+
+    def draw(part: list[dict], first: int) -> list[tuple[Tensor, dict[str, float]]]:
+        out = []
+        for lo in range(0, len(part), cfg.eval.batch_size):
+            chunk = part[lo : lo + cfg.eval.batch_size]
+            gen = torch.Generator().manual_seed(int(chunk[0].get("seed", first + lo)))
+            cond = CONDITIONS[cfg.model.condition](cfg, policy, chunk)
+            drawn = policy.sample(cond, 1, mode="eval", generator=gen)
+            imgs = policy.decode(drawn.actions.final).cpu()  # [b, 3, ...]
+            scores, _ = score_images(reward_fns, imgs, chunk, fail_fast=cfg.run.fail_fast)
+            out += [(imgs[i], {k: float(v[i]) for k, v in scores.items()})
+                    for i in range(len(chunk))]  # fmt: skip
+        return out
+
+    if dist is None:
+        results = draw(examples, 0)
+    else:
+        results = dist.map_examples(examples, draw, unit=cfg.eval.batch_size)
+    imgs = torch.stack([r[0] for r in results])  # [E, 3, ...]
+    scores = {k: torch.tensor([r[1][k] for r in results]) for k in results[0][1]}  # name -> [E]
     total = combined_reward(scores, {k: weights.get(k, 1.0) for k in scores})  # [E]
     metrics = {"reward": nanmean_or_nan(total), **{k: nanmean_or_nan(v) for k, v in scores.items()}}
-    path = Path(cfg.run_dir) / "images" / f"step-{step:08d}.png"
-    save_grid(imgs, [ex.get("prompt", "") for ex in examples], path)
+    if dist is None or dist.is_main:
+        path = Path(cfg.run_dir) / "images" / f"step-{step:08d}.png"
+        save_grid(imgs, [ex.get("prompt", "") for ex in examples], path)
     rows = [{"prompt": ex.get("prompt", ""), "seed": ex.get("seed"), "reward": float(total[i]),
              **{k: float(v[i]) for k, v in scores.items()}}
             for i, ex in enumerate(examples[:n_samples])]  # fmt: skip
