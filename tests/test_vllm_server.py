@@ -339,6 +339,47 @@ def test_two_trainer_processes_match_one_against_the_server(server, model_dir, t
         assert a["engine/logp_abs_diff_max"] < TOL  # sampled with the pushed weights
 
 
+def metric_rows(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "train"]
+
+
+def test_bounded_async_on_the_server(server, model_dir, tmp_path):
+    """train.async_mode bounded with the server generating: k = 0 trains exactly like the
+    synchronous run against the same server; k = 1 with partial rollouts trains with every token
+    at most one version stale, the versions being the server's own."""
+    from grouprl.train import train
+    from tests.test_distributed import max_diff
+
+    reward_file = tmp_path / "rewards.py"
+    reward_file.write_text(REWARDS_PY)
+
+    def run(name, *over):
+        raw = raw_config(tmp_path / name, model_dir, server.url, reward_file)
+        raw["checkpoint"] = {"every": 0}
+        return train(validate(apply_overrides(raw, list(over))))
+
+    sync = run("sync")
+    k0 = run("k0", "train.async_mode=bounded", "train.max_staleness=0")
+    weights = [load_file(CheckpointManager(r["run_dir"]).latest() / "model" / "model.safetensors")
+               for r in (sync, k0)]  # fmt: skip
+    assert max_diff(*weights) == 0.0  # the same samples, the same updates
+    assert [r["loss"] for r in metric_rows(sync["run_dir"])] == [
+        r["loss"] for r in metric_rows(k0["run_dir"])
+    ]
+    k1 = run("k1", "train.async_mode=bounded", "train.max_staleness=1",
+             "algorithm.engine_correction=token_truncate", "train.partial_chunk_tokens=2",
+             "train.steps=4")  # fmt: skip
+    rows = metric_rows(k1["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/weight_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert all(r["async/dropped_samples"] == 0 for r in rows)
+    hist = [r.get("async/staleness_hist/0", 0.0) + r.get("async/staleness_hist/1", 0.0)
+            for r in rows]  # fmt: skip
+    assert all(abs(h - 1.0) < 1e-6 for h in hist)  # every trained token is 0 or 1 behind
+
+
 @pytest.mark.slow
 def test_fsdp2_trainers_stream_their_weights_to_the_server(server, model_dir, tmp_path):
     """FSDP2 forced onto 2 CPU processes (tests/test_distributed.py's FORCE_FSDP2): the push

@@ -214,11 +214,14 @@ class CausalLMPolicy:
              for f, lp in zip(forced, out.logprobs)], 0.0, "right",
         )  # fmt: skip  # [N, T]
         batch = TokenBatch(p_ids, p_mask, c_ids, c_mask, torch.tensor(out.truncated))
-        token_version = None  # [N, T] int64: partial rollouts' per-token weight versions
-        if out.token_versions is not None:
+        token_version = None  # [N, T] int64: the weight version that sampled each token
+        versions = out.token_versions  # partial rollouts: per token
+        if versions is None and out.versions is not None:  # vllm_server: one per completion
+            versions = [[v] * len(ids) for v, ids in zip(out.versions, out.completion_ids)]
+        if versions is not None:
             token_version = _pad(
                 [torch.tensor([-1] * len(f) + list(v), dtype=torch.long)
-                 for f, v in zip(forced, out.token_versions)], -1, "right",
+                 for f, v in zip(forced, versions)], -1, "right",
             )  # fmt: skip
         return Rollout(
             group_ids=group_ids.repeat_interleave(torch.tensor(sizes)),  # [N]
