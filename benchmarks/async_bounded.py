@@ -19,6 +19,7 @@ evaluation) and the steps that evaluate are left out of the median.
 
     .venv/bin/python benchmarks/async_bounded.py
     .venv/bin/python benchmarks/async_bounded.py --steps 12 --eval-every 4 --seeds 0 --threads 2
+    .venv/bin/python benchmarks/async_bounded.py --engine vllm_server   # a vllm-serve process samples
 
 Prints a table per mode; writes <--name>.json (default async_bounded.json) into --out (default
 benchmarks/results).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +54,8 @@ def overrides(a: argparse.Namespace, mode: str, run_root: Path) -> list[str]:
         f"eval.every={a.eval_every}", f"eval.max_examples={a.eval_examples}", "eval.pass_k=1",
         "checkpoint.every=0", f"task.options.n_eval={a.eval_examples}",
     ]  # fmt: skip
+    if a.engine == "vllm_server":  # generation in the server's process, beside the trainer's
+        common += ["rollout.engine=vllm_server", f"rollout.server.url={a.url}"]
     if mode != "sync":
         common.append("algorithm.engine_correction=token_truncate")
         if a.chunk:  # 0: whole completions, no partial rollouts
@@ -108,6 +112,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--chunk", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--engine",
+        choices=["fast", "vllm_server"],
+        default="fast",
+        help="fast: the demo's engine, the producer a thread of the trainer; "
+        "vllm_server: a `grouprl vllm-serve` process generates (started here)",
+    )
+    p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "grouprl_bench_async"))
     p.add_argument("--out", default=str(C.RESULTS))
     p.add_argument("--name", default="async_bounded", help="the JSON file's name in --out")
@@ -121,7 +133,28 @@ def main() -> None:
     info = C.machine_info(a.threads)
     model_dir = warm_model(a)
     args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k in ("steps", "prompts", "eval_every", "eval_examples", "chunk", "threads")]  # fmt: skip
+            if k in ("steps", "prompts", "eval_every", "eval_examples", "chunk", "threads",
+                     "engine")]  # fmt: skip
+    server = None
+    if a.engine == "vllm_server":
+        from server_scaling import start_server
+
+        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        server, url, start_s = start_server(model_dir, env, Path(a.cache) / "server.log")
+        args.append(f"--url={url}")
+        print(f"vllm-serve ready at {url} after {start_s:.0f} s", flush=True)
+    try:
+        per_seed = run_modes(a, args, model_dir)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+    runs = {m: pool(rs) for m, rs in per_seed.items()}
+    report(a, info, runs, per_seed)
+
+
+def run_modes(a: argparse.Namespace, args: list[str], model_dir: Path) -> dict[str, list[dict]]:
+    """Every mode for every seed, each in its own process, one after the other."""
     per_seed: dict[str, list[dict]] = {m: [] for m in MODES}
     for seed in a.seeds:
         for mode in MODES:
@@ -130,7 +163,10 @@ def main() -> None:
             per_seed[mode].append(res)
             print(f"seed {seed} {mode}: median step {C.median(res['step_s']):.3f} s, accuracy "
                   f"{res['accuracy']}", flush=True)  # fmt: skip
-    runs = {m: pool(rs) for m, rs in per_seed.items()}
+    return per_seed
+
+
+def report(a: argparse.Namespace, info: dict, runs: dict, per_seed: dict) -> None:
     eval_steps = sorted({int(s) for r in runs.values() for s in r["accuracy"]})
     header = ["mode", "median step s", "vs sync", "staleness mean", "dropped"] + [
         f"acc@{s}" for s in eval_steps
@@ -147,7 +183,7 @@ def main() -> None:
     note = C.warn_if_loaded(info, alternated=False)
     if note:
         print(note)
-    print(f"arithmetic demo, seeds {a.seeds} (accuracy: their mean), {a.steps} steps x "
+    print(f"arithmetic demo, engine {a.engine}, seeds {a.seeds} (accuracy: their mean), {a.steps} steps x "
           f"{a.prompts} prompts x 8 samples, chunk {a.chunk} "
           f"tokens, {a.threads} thread(s), held-out greedy accuracy on {a.eval_examples} problems"
           f"\n\n{C.format_table(header, rows)}")  # fmt: skip

@@ -155,6 +155,7 @@ BENCHMARKS = {
     "http-reward-overlap": "http_reward_overlap.py",
     "tree-agents": "tree_agents.py",
     "server-scaling": "server_scaling.py",
+    "async-bounded": "async_bounded.py",
 }
 
 

@@ -35,6 +35,7 @@ from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.tiny import save_tiny
 from grouprl.runtime.checkpoint import CheckpointManager
+from tests.test_vllm_engine import perturb
 
 pytestmark = [
     pytest.mark.vllm,
@@ -121,13 +122,6 @@ def trainer_gap(policy, rollout) -> float:
     """max |trainer log-prob - engine log-prob| over the real tokens of a rollout."""
     logp = policy.log_probs(rollout.actions).logp.detach()  # [N, T]
     return float(((logp - rollout.engine_logp).abs() * rollout.mask).max())
-
-
-def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 # ---- the API -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import json
 import threading
 import uuid
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from jinja2 import TemplateError
@@ -49,6 +49,7 @@ from grouprl.envs.tools.formats import (
     text_outside_calls,
 )
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.policies.text.engines.server.http import JsonHandler
 from grouprl.rollouts.gateway.batcher import EngineBatcher
 from grouprl.rollouts.gateway.record import (
     Call,
@@ -438,26 +439,10 @@ def _raw_text(tok: Any, ids: list[int]) -> str:
     return tok.decode(ids[:end], skip_special_tokens=False)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     """HTTP plumbing: route, read and parse the body, answer JSON (errors included)."""
 
     gateway: Gateway
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
-        pass  # no per-request lines on stderr
-
-    def _send(self, status: int, payload: dict, close: bool = False) -> None:
-        """close: the body was not read to its end, so the connection cannot carry another request."""
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         if self.path.rstrip("/") == "/v1/models":

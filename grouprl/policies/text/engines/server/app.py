@@ -42,7 +42,7 @@ import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from grouprl.policies.text.engines.base import (
@@ -51,6 +51,7 @@ from grouprl.policies.text.engines.base import (
     check_generate_args,
 )
 from grouprl.policies.text.engines.server.channel import DTYPES
+from grouprl.policies.text.engines.server.http import JsonHandler
 
 MAX_BODY = 64 << 20  # bytes (prompt ids of a large batch)
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop"}
@@ -343,25 +344,10 @@ class VLLMServer:
         self._op.start()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     """HTTP plumbing: route, read and parse the body, answer JSON (errors included)."""
 
     server_state: VLLMServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
-        pass
-
-    def _send(self, status: int, payload: dict, close: bool = False) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _error(self, exc: ServerError, close: bool = False) -> None:
         err = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
