@@ -107,7 +107,7 @@ class SyncRollouts:
 
 class OneStepOff:
     """The background rollout worker (see module docstring). `make(step, snapshot)` samples and
-    scores one step's batch; steps are 0-based, as in train.rollout_step."""
+    scores one step's batch; steps are 0-based, as in rollouts.step.rollout_step."""
 
     def __init__(self, cfg: Any, policy: Any, sampler: Any, make: Make) -> None:
         self.make, self.sampler = make, sampler

@@ -1,7 +1,7 @@
 """BudgetSampler: the prompt sampler wrapper that applies rollout.budget and checkpoints it.
 
 Same interface as rollouts/prompt_sampler.PromptSampler (`next(n)`, `state_dict()`,
-`load_state_dict()`), plus what the loop calls around each step (grouprl/train.py rollout_step):
+`load_state_dict()`), plus what the loop calls around each step (grouprl/rollouts/step.py rollout_step):
 
   group_sizes(examples)   G per drawn example (allocate), or None (every group rollout.group_size)
   observe(rollout, step)  after each sampling round: every sampled group's passes go into the
