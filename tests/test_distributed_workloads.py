@@ -188,14 +188,30 @@ def _map_worker(rank: int, port: int, out_dir: str) -> None:
 def test_map_examples_splits_whole_units_and_gathers_in_order(tmp_path):
     """2 gloo processes: process 0 evaluates the first units, process 1 the rest (units of 2: the
     eval batches [a b] [c d] | [e]), every process gets every result in example order."""
+    import os
     import socket
-
-    import torch.multiprocessing as mp
+    import subprocess
+    import sys
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_map_worker, args=(port, str(tmp_path)), nprocs=2)
+    # spawned from a child interpreter: mp.spawn leaves a resource-tracker process behind in the
+    # process that calls it, which later tests that count this process's descendants would see
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import torch.multiprocessing as mp\n"
+        "from tests.test_distributed_workloads import _map_worker\n"
+        f"mp.spawn(_map_worker, args=({port}, {str(tmp_path)!r}), nprocs=2)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}",
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     got = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
     assert got[0] == got[1]
     for unit, owners in ((1, [0, 0, 0, 1, 1]), (2, [0, 0, 0, 0, 1])):
