@@ -96,7 +96,7 @@ def test_one_step_off_runs_and_corrects_for_staleness(tiny_model_dir, tmp_path):
 # ---- the worker's timeline with a stand-in for rollout_step --------------------------------------
 
 
-class _Sampler:
+class Sampler:
     def __init__(self):
         self.position = 0
 
@@ -112,7 +112,7 @@ def _source(policy, staleness, make, steps=4, old_logp="recompute", worker="thre
         train=SimpleNamespace(async_staleness=staleness, steps=steps, async_worker=worker),
         rollout=SimpleNamespace(old_logp=old_logp, temperature=1.0),
     )
-    sampler = _Sampler()
+    sampler = Sampler()
     return OneStepOff(cfg, policy, sampler, lambda step, pol: make(step, pol, sampler)), sampler
 
 

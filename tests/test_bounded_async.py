@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_async_rollout import Sampler
 
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.causal_lm import CausalLMPolicy
@@ -138,17 +139,6 @@ def test_a_token_newer_than_the_trained_weights_is_an_error():
 
 
 # ---- the producer with crafted batches ------------------------------------------------------------
-
-
-class Sampler:
-    def __init__(self):
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 def source_of(policy, make, *, k=1, prefetch=None, stale="drop", steps=4, chunk=None):

@@ -35,7 +35,7 @@ from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.tiny import save_tiny
 from grouprl.runtime.checkpoint import CheckpointManager
-from tests.test_vllm_engine import perturb
+from tests.test_vllm_engine import EchoEnv, perturb
 
 pytestmark = [
     pytest.mark.vllm,
@@ -233,21 +233,6 @@ def test_a_generate_asking_for_the_next_version_waits_for_the_push(server, model
     engine.load_weights(policy.model)
     t.join(30)
     assert got["out"][0] == 200 and got["out"][1]["versions"] == [now + 1]
-
-
-class EchoEnv:
-    """Two turns; reward 1 when the action has a digit (tests/test_vllm_engine.py's)."""
-
-    def reset(self, seed=None, options=None):
-        self.t = 0
-        return f"start {seed}", {}
-
-    def step(self, action: str):
-        self.t += 1
-        return f"turn {self.t}", float(any(c.isdigit() for c in action)), self.t >= 2, False, {}
-
-    def close(self) -> None:
-        pass
 
 
 def test_agents_and_the_gateway_run_unchanged_on_the_server_engine(server, model_dir):
