@@ -222,18 +222,21 @@ def two_process_raw(out_dir, model_dir, reward_file):
     }  # fmt: skip
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch_two(config_path, *overrides):
+def launch_two(config_path, *overrides, entry=None):
+    """`grouprl train config_path *overrides` on 2 gloo processes (accelerate launch); entry: a
+    script to run instead of `-m grouprl` (one that patches something first, e.g. FORCE_FSDP2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    program = [str(entry)] if entry is not None else ["-m", "grouprl"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()),
-           "-m", "grouprl", "train", str(config_path), *overrides]  # fmt: skip
+           "--num_processes", "2", "--main_process_port", str(free_port()),
+           *program, "train", str(config_path), *overrides]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -334,13 +337,7 @@ def test_fsdp2_two_processes_reach_the_weights_of_one_and_resume_on_one(tiny_mod
     config_path.write_text(
         yaml.safe_dump(two_process_raw(tmp_path / "two", tiny_model_dir, reward_file))
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()),
-           str(script), "train", str(config_path)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    launch_two(config_path, entry=script)
     one = train(
         validate(
             apply_overrides(two_process_raw(tmp_path / "one", tiny_model_dir, reward_file), [])

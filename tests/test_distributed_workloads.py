@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_distributed import launch_two, max_diff
+from test_distributed import free_port, launch_two, max_diff
 
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.runtime.checkpoint import CheckpointManager
@@ -164,7 +164,7 @@ def test_text_evaluation_is_split_and_equals_one_process(tmp_path, tiny_model_di
     assert "eval/pass@2" in _rows(two, "eval")[0]
 
 
-def _map_worker(rank: int, port: int, out_dir: str) -> None:
+def map_worker(rank: int, port: int, out_dir: str) -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -189,20 +189,17 @@ def test_map_examples_splits_whole_units_and_gathers_in_order(tmp_path):
     """2 gloo processes: process 0 evaluates the first units, process 1 the rest (units of 2: the
     eval batches [a b] [c d] | [e]), every process gets every result in example order."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # spawned from a child interpreter: mp.spawn leaves a resource-tracker process behind in the
     # process that calls it, which later tests that count this process's descendants would see
     root = Path(__file__).resolve().parents[1]
     code = (
         "import torch.multiprocessing as mp\n"
-        "from tests.test_distributed_workloads import _map_worker\n"
-        f"mp.spawn(_map_worker, args=({port}, {str(tmp_path)!r}), nprocs=2)\n"
+        "from tests.test_distributed_workloads import map_worker\n"
+        f"mp.spawn(map_worker, args=({port}, {str(tmp_path)!r}), nprocs=2)\n"
     )
     env = {
         **os.environ,

@@ -16,7 +16,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,12 +45,6 @@ TOL = 1e-4
 REWARDS_PY = (
     "def parity(completions, **_):\n    return [float(sum(map(ord, c)) % 2) for c in completions]\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -365,7 +358,7 @@ def test_fsdp2_trainers_stream_their_weights_to_the_server(server, model_dir, tm
     gathers one parameter at a time (FSDP2.stream_full_weights) and the main process broadcasts
     it; the run matches one process against the same server."""
     from grouprl.train import train
-    from tests.test_distributed import FORCE_FSDP2, max_diff
+    from tests.test_distributed import FORCE_FSDP2, launch_two, max_diff
 
     reward_file = tmp_path / "rewards.py"
     reward_file.write_text(REWARDS_PY)
@@ -374,13 +367,7 @@ def test_fsdp2_trainers_stream_their_weights_to_the_server(server, model_dir, tm
     cfg_path = tmp_path / "two.yaml"
     raw = raw_config(tmp_path / "two", model_dir, server.url, reward_file)
     cfg_path.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(ROOT / "configs" / "accelerate" / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()),
-           str(script), "train", str(cfg_path)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    launch_two(cfg_path, entry=script)
     one = train(validate(apply_overrides(
         raw_config(tmp_path / "one", model_dir, server.url, reward_file), [])))  # fmt: skip
     w1 = load_file(CheckpointManager(one["run_dir"]).latest() / "model" / "model.safetensors")

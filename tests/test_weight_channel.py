@@ -4,12 +4,12 @@ there, and the rollout.server config rule."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 import torch
+from test_distributed import free_port
 
 from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.text.engines.server.channel import (
@@ -32,12 +32,6 @@ def test_merge_lora_is_w0_plus_scaling_b_a():
     assert torch.equal(merged["n.weight"], base["n.weight"])
     with pytest.raises(KeyError, match="k.weight"):
         list(merge_lora(base, adapters, {"k.weight": 1.0}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_channel_broadcasts_from_rank_0_without_a_default_group():
@@ -70,7 +64,7 @@ def test_a_peer_that_never_joins_is_an_error_not_a_hang():
 
 
 def test_a_server_that_is_not_there_names_the_url_and_resume():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerUnavailable, match=f"vLLM server {url} did not answer GET /info.*"
                                                 "run.resume=true"):  # fmt: skip
         VLLMServerEngine(url, connect_timeout_s=2)
