@@ -45,6 +45,7 @@ from grouprl.runtime.build import build_optimizer, build_sampler, seed_everythin
 from grouprl.runtime.distributed import SINGLE, Dist
 from grouprl.runtime.distributed import setup as setup_dist
 from grouprl.runtime.logging import RunLogger
+from grouprl.runtime.nonfinite import check_nonfinite_streak
 from grouprl.runtime.plots import plot_curves
 from grouprl.runtime.reward_guard import isolate_rewards, isolation_settings
 from grouprl.runtime.run_state import check_run_dir, claim_run_dir, resume_from, save_checkpoint
@@ -62,11 +63,6 @@ from grouprl.workloads.base import Parts, Workload
 class UserCodeExit(RuntimeError):
     """User code (a reward, an env, a tool) raised SystemExit inside the run: the run stops with
     an error instead of `grouprl train` exiting 0 with the steps undone."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """train.max_nonfinite_steps steps in a row had a NaN/inf loss or gradient (each such update
-    was skipped, so the weights and checkpoints hold finite values only)."""
 
 
 # ---- one step -----------------------------------------------------------------------------------
@@ -184,27 +180,6 @@ def _advance_schedule_only(scheduler) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
         scheduler.step()
-
-
-def check_nonfinite_streak(cfg: Config, logger, step: int, metrics: dict, streak: int) -> int:
-    """Count steps in a row with a skipped update; print each; stop the run at the limit."""
-    skipped = metrics.get("skipped_nonfinite", 0.0)
-    if not skipped:
-        return 0
-    streak += 1
-    limit = cfg.train.max_nonfinite_steps
-    what = "loss" if metrics.get("skipped_nonfinite/loss") else "gradient"
-    logger.print(
-        f"step {step}: non-finite {what}; {int(skipped)} update(s) skipped, weights untouched "
-        f"({streak} step(s) in a row, train.max_nonfinite_steps={limit})"
-    )
-    if streak >= limit:
-        raise NonFiniteLossError(
-            f"stopping at step {step}: {streak} step(s) in a row had a non-finite {what} "
-            f"(train.max_nonfinite_steps={limit}); those updates were skipped and no non-finite "
-            "value was saved. Lower train.lr, check the rewards, or use dtype float32"
-        )
-    return streak
 
 
 _LOSS_SHARES = {"loss", "pg_loss", "kl_loss", "entropy_loss", "distill_loss"}

@@ -22,8 +22,9 @@ from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_optimizer
 from grouprl.runtime.checkpoint import CheckpointManager, NonFiniteCheckpointError, check_all_finite
+from grouprl.runtime.nonfinite import NonFiniteLossError
 from grouprl.runtime.run_state import save_checkpoint
-from grouprl.train import NonFiniteLossError, train
+from grouprl.train import train
 from grouprl.types import LossOutput
 from grouprl.workloads import build_workload
 

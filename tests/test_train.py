@@ -20,8 +20,9 @@ from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.checkpoint import CheckpointManager
+from grouprl.runtime.nonfinite import NonFiniteLossError
 from grouprl.runtime.throughput import wall_clock
-from grouprl.train import NonFiniteLossError, train
+from grouprl.train import train
 from grouprl.types import LossOutput
 from grouprl.workloads import build_workload
 
