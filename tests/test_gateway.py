@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
+from test_replicas_text import TOOLS
 
 from grouprl.policies.text.causal_lm import CausalLMPolicy
 from grouprl.policies.text.engines.base import SamplingParams
@@ -25,18 +26,7 @@ from grouprl.rollouts.gateway.server import assistant_message, wire_message
 openai = pytest.importorskip("openai")  # a dev dependency (pyproject's dev extras)
 
 MODEL = "grouprl-policy"
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD_TOOL = TOOLS[0]  # the OpenAI-style schema of an `add` tool
 
 
 @pytest.fixture
