@@ -31,6 +31,10 @@ def check_workload(cfg: Config) -> None:
             f"workload 'images' needs model.type flow or unet, got {model_type!r}; a language "
             "model runs with workload: {type: text} (or agent)"
         )
+    if name == "images":  # a pipeline class grouprl does not train: refused before it loads
+        from grouprl.workloads.images.policy import check_image_model
+
+        check_image_model(cfg.model)
     if name == "agent" and cfg.task.name != "env":
         raise ValueError(
             f"workload 'agent' runs multi-turn episodes from task.name 'env', got "

@@ -413,3 +413,259 @@ DIFFUSION_REPLICAS: dict[str, Callable[[str | Path], Path]] = {
     "pickscore": build_pickscore,
     "clip-vit-large-patch14": build_clip_large,
 }
+
+
+# ---- SDXL, SANA, Qwen-Image (appended: their own builders) ---------------------------------------
+
+SDXL_SCHEDULER = {
+    "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+    "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "interpolation_type": "linear",
+    "timestep_spacing": "leading", "steps_offset": 1, "use_karras_sigmas": False,
+    "trained_betas": None,
+}  # fmt: skip  # stable-diffusion-xl-base-1.0's EulerDiscreteScheduler
+SDXL_VAE = {"scaling_factor": 0.13025, "force_upcast": True}
+SDXL_TIME_EMBED = 8  # addition_time_embed_dim (real: 256)
+
+
+def build_sdxl(folder: str | Path) -> Path:
+    """Stable Diffusion XL base 1.0 replica (module docstring)."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tok_l, tok_g = clip_tokenizer(), clip_tokenizer(pad_token="!")
+    clip_l, clip_g, proj_g = 32, 48, 40  # real: 768, 1280 and CLIP-G's projection_dim 1280
+    enc_l = clip_text_encoder(tok_l, clip_l, "quick_gelu", projection=False, seed=SEED + 2)
+    enc_g = _seeded(SEED + 3, lambda: __import__("transformers").CLIPTextModelWithProjection(
+        _clip_text_config(tok_g, clip_g, "gelu", projection=proj_g)))  # fmt: skip
+    unet = _seeded(SEED, lambda: UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(8, 16, 16), norm_num_groups=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 1, 2), attention_head_dim=(2, 4, 4),
+        use_linear_projection=True, cross_attention_dim=clip_l + clip_g,
+        addition_embed_type="text_time", addition_time_embed_dim=SDXL_TIME_EMBED,
+        projection_class_embeddings_input_dim=6 * SDXL_TIME_EMBED + proj_g,
+    ))  # fmt: skip
+    pipe = StableDiffusionXLPipeline(
+        vae=kl_vae(4, SEED + 1, **SDXL_VAE), text_encoder=enc_l, text_encoder_2=enc_g,
+        tokenizer=tok_l, tokenizer_2=tok_g, unet=unet,
+        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER), force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )  # fmt: skip
+    out = _save(pipe, Path(folder), {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer"})
+    index_path = out / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["add_watermarker"] = None  # the hub folder's value (None: on when the package is there)
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # ids 0-4, as Gemma 2's
+
+
+def gemma_tokenizer() -> Any:
+    """GemmaTokenizerFast with Gemma 2's layout: <pad> 0, <eos> 1, <bos> 2, <unk> 3, <mask> 4, the
+    256 byte-fallback pieces <0x00>..<0xFF>, then BPE pieces over "▁"-joined words (learned here
+    from CORPUS); BOS added, no EOS."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizerFast
+
+    specials = GEMMA_SPECIALS + [f"<0x{i:02X}>" for i in range(256)]
+    bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer = trainers.BpeTrainer(vocab_size=len(specials) + 500, special_tokens=specials,
+                                  show_progress=False)  # fmt: skip
+    bpe.train_from_iterator(CORPUS * 4, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return GemmaTokenizerFast(
+        vocab=model["vocab"],
+        merges=merges,
+        model_max_length=8192,
+        padding_side="right",
+        add_bos_token=True,
+        add_eos_token=False,
+    )
+
+
+SANA_SCHEDULER = {
+    "num_train_timesteps": 1000, "algorithm_type": "dpmsolver++", "solver_order": 2,
+    "solver_type": "midpoint", "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+    "flow_shift": 3.0, "final_sigmas_type": "zero", "lower_order_final": True,
+    "timestep_spacing": "linspace", "beta_start": 0.0001, "beta_end": 0.02,
+    "beta_schedule": "linear", "steps_offset": 0,
+}  # fmt: skip  # Sana_1600M_1024px_diffusers' DPMSolverMultistepScheduler (flow mode)
+
+
+def build_sana(folder: str | Path) -> Path:
+    """SANA 1.6B 1024px replica (module docstring)."""
+    from diffusers import (
+        AutoencoderDC,
+        DPMSolverMultistepScheduler,
+        SanaPipeline,
+        SanaTransformer2DModel,
+    )
+    from transformers import Gemma2Config, Gemma2Model
+
+    tok = gemma_tokenizer()
+    gemma = 32  # real: 2304 (gemma-2-2b-it)
+    text = _seeded(SEED + 2, lambda: Gemma2Model(Gemma2Config(
+        vocab_size=len(tok), hidden_size=gemma, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        hidden_activation="gelu_pytorch_tanh", sliding_window=16, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )))  # fmt: skip
+    transformer = _seeded(SEED, lambda: SanaTransformer2DModel(
+        in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+        caption_channels=gemma, mlp_ratio=2.5, sample_size=32, patch_size=1,
+        norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None,
+    ))  # fmt: skip
+    # dc-ae-f32c32: 6 levels (32x spatial compression), 32 latent channels; the shortcuts into and
+    # out of the latent need the last level's width to be a multiple of the latent channels
+    levels, widths = 6, (8, 8, 8, 16, 32, 32)  # real: 128, 256, 512, 512, 1024, 1024
+    vae = _seeded(SEED + 1, lambda: AutoencoderDC(
+        in_channels=3, latent_channels=32, attention_head_dim=8,
+        encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        encoder_block_out_channels=widths, decoder_block_out_channels=widths,
+        encoder_layers_per_block=(1,) * levels, decoder_layers_per_block=(1,) * levels,
+        encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+        decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+        upsample_block_type="interpolate", downsample_block_type="Conv",
+        decoder_norm_types=("batch_norm",) * 3 + ("rms_norm",) * 3,
+        decoder_act_fns=("relu",) * 3 + ("silu",) * 3, scaling_factor=0.41407,
+    ))  # fmt: skip
+    pipe = SanaPipeline(tokenizer=tok, text_encoder=text, vae=vae, transformer=transformer,
+                        scheduler=DPMSolverMultistepScheduler(**SANA_SCHEDULER))  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "GemmaTokenizerFast"})
+
+
+QWEN_IMAGE_SCHEDULER = {
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+    "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192,
+    "shift_terminal": 0.02, "time_shift_type": "exponential", "invert_sigmas": False,
+    "stochastic_sampling": False, "use_karras_sigmas": False, "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+}  # fmt: skip  # Qwen/Qwen-Image's FlowMatchEulerDiscreteScheduler
+
+
+# the system part of QwenImagePipeline.prompt_template_encode: the pipeline drops its first 34
+# tokens (prompt_template_encode_start_idx), one per word as Qwen's tokenizer splits it
+QWEN_IMAGE_SYSTEM = (
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:"
+)
+
+
+def qwen_image_tokenizer() -> tuple[Any, dict, list]:
+    """Qwen2Tokenizer as Qwen2.5-VL's (replicas.text.qwen_tokenizer: byte-level BPE with Qwen's
+    pre-tokenizer, NFC, the Qwen2-VL added tokens in order, ChatML template), its merges learned
+    from CORPUS and the pipeline's system prompt, so that the prompt template's prefix splits into
+    the 34 tokens the pipeline drops, one per word as with the real vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    from grouprl.replicas.chat_templates import QWEN2_VL
+    from grouprl.replicas.text import _QWEN_REGEX, _VOCAB, _split_byte_level
+    from grouprl.replicas.vision import QWEN2_VL_ADDED
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer, bpe.pre_tokenizer = normalizers.NFC(), _split_byte_level(_QWEN_REGEX)
+    trainer = trainers.BpeTrainer(vocab_size=_VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    roles = ["system\n", "user\n", "assistant\n"]  # the ChatML role names, whole words
+    bpe.train_from_iterator(CORPUS * 4 + ([QWEN_IMAGE_SYSTEM, *roles]) * 8, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab = model["vocab"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", errors="replace", model_max_length=131072,
+        split_special_tokens=False, clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    added = QWEN2_VL_ADDED
+    tok.add_tokens([AddedToken(t, special=sp, normalized=False) for t, sp in added],
+                   special_tokens=False)  # fmt: skip
+    tok.add_special_tokens({"additional_special_tokens": [t for t, sp in added if sp][1:]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN2_VL
+    return tok, vocab, merges
+
+
+def qwen2_5_vl_text_encoder(tok: Any, seed: int) -> Any:
+    """Qwen2_5_VLForConditionalGeneration as Qwen2.5-VL-7B-Instruct's kind (replicas.vision's
+    Qwen2.5-VL settings: mrope sections, window-attention tower, tied embeddings; bfloat16), sized
+    to `tok` with replicas.text's tiny decoder."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from grouprl.replicas.text import TINY_DECODER
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
+                                                      "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>")}  # fmt: skip
+    eot, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
+    head_dim = TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]
+    text = dict(
+        vocab_size=len(tok), max_position_embeddings=128000, rms_norm_eps=1e-6, hidden_act="silu",
+        use_sliding_window=False, sliding_window=32768, max_window_layers=2, attention_dropout=0.0,
+        bos_token_id=eot, eos_token_id=eos, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
+        **TINY_DECODER,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=64, intermediate_size=172, num_heads=2, hidden_act="silu",
+        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        tokens_per_second=2, window_size=112, fullatt_block_indexes=[1],
+        out_hidden_size=TINY_DECODER["hidden_size"],
+    )  # fmt: skip
+    cfg = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=eot, eos_token_id=eos,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(cfg)).to(torch.bfloat16)
+
+
+def build_qwen_image(folder: str | Path) -> Path:
+    """Qwen-Image replica (module docstring)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    tok, vocab, merges = qwen_image_tokenizer()
+    text = qwen2_5_vl_text_encoder(tok, SEED + 2)
+    width = text.config.text_config.hidden_size  # real: 3584 (Qwen2.5-VL-7B-Instruct)
+    transformer = _seeded(SEED, lambda: QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=width, guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    ))  # fmt: skip
+    vae = _seeded(SEED + 1, lambda: AutoencoderKLQwenImage(
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ))  # fmt: skip
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=vae.to(torch.bfloat16), text_encoder=text, tokenizer=tok,
+        transformer=transformer.to(torch.bfloat16),
+    )  # fmt: skip
+    folder = Path(folder)
+    _save(pipe, folder, {"tokenizer": "Qwen2Tokenizer"})
+    from grouprl.replicas.text import write_vocab_files
+
+    write_vocab_files(folder / "tokenizer", vocab, merges)  # vocab.json / merges.txt, as the hub's
+    return folder
+
+
+DIFFUSION_REPLICAS.update({
+    "sdxl": build_sdxl,
+    "sana-1.6b": build_sana,
+    "qwen-image": build_qwen_image,
+})  # fmt: skip

@@ -12,16 +12,34 @@ the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
            model's dtype, sigma Float[B] in [0, 1] (1 = pure noise) and cond the conditioning tensors
            of the batch (e.g. class_labels Long[B] or prompt_embeds [B, L, D]); returns v ~ eps - x0
            of x's shape (a tensor, or an object with `.sample`).
-- "unet"   UNet2DConditionModel (SD 1.x, epsilon prediction): timestep = the integer DDPM step,
-           encoder_hidden_states = prompt_embeds.
-Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P], or for
-"module" any keys the model accepts. Classifier-free guidance batches [negative; positive] in one
-forward and returns uncond + scale (cond - uncond), as the diffusers pipelines do.
+- "unet"   UNet2DConditionModel (SD 1.x, SDXL; epsilon prediction): timestep = the integer DDPM
+           step, encoder_hidden_states = prompt_embeds; a UNet whose config has addition_embed_type
+           "text_time" (SDXL) also takes added_cond_kwargs {text_embeds: the pooled embedding
+           [B, P], time_ids [B, n]} (StableDiffusionXLPipeline), their widths checked against
+           addition_time_embed_dim and projection_class_embeddings_input_dim; any other
+           addition_embed_type is refused by name.
+- "sana"   SanaTransformer2DModel: timestep = sigma * 1000 * config.timestep_scale,
+           encoder_hidden_states = the Gemma 2 embeddings with their encoder_attention_mask
+           (SanaPipeline); a transformer with out_channels = 2 in_channels (learned sigma) keeps
+           the first half, as the pipeline does.
+- "qwenimage" QwenImageTransformer2DModel: latents packed into 2x2 patches as FLUX, img_shapes
+           [(1, H/2, W/2)] per sample, timestep = sigma, encoder_hidden_states_mask = the text
+           mask (diffusers 0.42 derives the text lengths from it: no txt_seq_lens argument), the
+           guidance embedding when the config has guidance_embeds; classifier-free guidance is the
+           pipeline's "true CFG" with its norm rescale (the guided velocity of each packed token
+           rescaled to the conditional one's norm).
+Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P],
+prompt_attention_mask / prompt_embeds_mask Long[B, L] (SANA / Qwen-Image), text_embeds [B, P] and
+time_ids [B, 6] (SDXL), or for "module" any keys the model accepts. Classifier-free guidance
+batches [negative; positive] in one forward and returns uncond + scale (cond - uncond), as the
+diffusers pipelines do (or the family's own `guide`).
 
 DECODERS turn final latents into images in [0, 1] (Float[N, 3, H, W]; video Float[N, 3, F, H, W]):
 "kl" AutoencoderKL (latents / scaling + shift), "wan" AutoencoderKLWan (latents * std + mean per
-channel), "pixel" identity for pixel-space models (`pixel_range` "zero_one" clamps, "minus_one_one"
-maps [-1, 1] to [0, 1]).
+channel), "qwenimage" AutoencoderKLQwenImage (Wan's per-channel std / mean on a one-frame video,
+frame 0 decoded), "dc" AutoencoderDC (SANA's deep-compression VAE: latents / scaling), "pixel"
+identity for pixel-space models (`pixel_range` "zero_one" clamps, "minus_one_one" maps [-1, 1] to
+[0, 1]).
 """
 
 from __future__ import annotations
@@ -49,6 +67,10 @@ class Family:
     folder: str  # sub-folder of a diffusers layout ("transformer" / "unet") and LoRA key prefix
     video: bool = False
     sigma_spacing: Literal["scheduler", "linear"] = "scheduler"
+    packed_2x2: bool = False  # latents enter as 2x2 patches: in_channels = 4 C, even sides
+    # classifier-free guidance (uncond [B, ...], cond [B, ...], scale [B, 1, ...]) -> guided; None:
+    # uncond + scale (cond - uncond)
+    guide: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
 
 def _sample(out: Any) -> Tensor:
@@ -117,25 +139,104 @@ def _module(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
 
 
 def _unet(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
-    return model(x, timestep, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+    return model(x, timestep, encoder_hidden_states=cond["prompt_embeds"],
+                 added_cond_kwargs=unet_added_conditions(model.config, cond),
+                 return_dict=False)[0]  # fmt: skip
+
+
+def unet_added_conditions(config: Any, cond: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """The UNet's added_cond_kwargs, read from its config: none without addition_embed_type;
+    "text_time" (SDXL) takes the pooled text embedding and the micro-conditioning time ids, whose
+    widths must add up to projection_class_embeddings_input_dim (the pipeline's own check)."""
+    kind = getattr(config, "addition_embed_type", None)
+    if kind is None:
+        return None
+    if kind != "text_time":
+        raise ValueError(
+            f"a UNet2DConditionModel with addition_embed_type={kind!r} is not supported (the UNet "
+            "families grouprl trains have none, SD 1.x, or 'text_time', SDXL)"
+        )
+    missing = [k for k in ("text_embeds", "time_ids") if k not in cond]
+    if missing:
+        raise ValueError(
+            f"this UNet has addition_embed_type 'text_time' (SDXL): its conditioning needs "
+            f"{missing} (a StableDiffusionXLPipeline's prompt encoder gives them), got "
+            f"{sorted(cond)}"
+        )
+    text, ids = cond["text_embeds"], cond["time_ids"]  # [B, P], [B, n]
+    width = config.addition_time_embed_dim * ids.shape[-1] + text.shape[-1]
+    if width != config.projection_class_embeddings_input_dim:
+        raise ValueError(
+            f"the UNet expects added embeddings of width {config.projection_class_embeddings_input_dim}"
+            f" (projection_class_embeddings_input_dim), the conditioning gives {width} = "
+            f"addition_time_embed_dim {config.addition_time_embed_dim} x {ids.shape[-1]} time ids "
+            f"+ pooled text width {text.shape[-1]}"
+        )
+    return {"text_embeds": text, "time_ids": ids}
+
+
+def _sana(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    out = model(
+        x, encoder_hidden_states=cond["prompt_embeds"],
+        encoder_attention_mask=cond["prompt_attention_mask"],
+        timestep=timestep * model.config.timestep_scale, return_dict=False,
+    )[0]  # fmt: skip
+    if model.config.out_channels == 2 * model.config.in_channels:  # learned sigma: drop it
+        out = out.chunk(2, dim=1)[0]
+    return out
+
+
+def _qwenimage(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    g = None
+    if getattr(model.config, "guidance_embeds", False):
+        if guidance is None:
+            raise ValueError(
+                "this Qwen-Image transformer has guidance_embeds: pass a guidance scale"
+            )
+        g = guidance.to(device=x.device, dtype=torch.float32)  # [B]
+    out = model(
+        hidden_states=pack_flux(x), timestep=timestep / 1000, guidance=g,
+        encoder_hidden_states=cond["prompt_embeds"],
+        encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+        img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0], return_dict=False,
+    )[0]  # fmt: skip  # [B, HW/4, 4C]
+    return unpack_flux(out, h, w)
+
+
+def _qwenimage_guide(uncond: Tensor, cond: Tensor, scale: Tensor) -> Tensor:
+    """QwenImagePipeline's true CFG: the guided velocity of each packed 2x2 token rescaled to the
+    norm of the conditional one (over its 4 C channels)."""
+    h, w = cond.shape[-2:]
+    guided = pack_flux(uncond + scale * (cond - uncond))  # [B, HW/4, 4C]
+    ratio = pack_flux(cond).norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True)
+    return unpack_flux(guided * ratio, h, w)  # [B, C, H, W]
 
 
 _ATTN = ("to_q", "to_k", "to_v", "to_out.0")
 _JOINT = (*_ATTN, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # Flow-GRPO's SD3 list
 
+# fmt: off
 FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", _sd3, _JOINT, "StableDiffusion3Pipeline", "transformer"),
-    "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear"),
+    "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear",
+                   packed_2x2=True),
     "wan": Family("wan", _wan, _ATTN, "WanPipeline", "transformer", video=True),
     "module": Family("module", _module, _ATTN, None, "transformer"),
     "unet": Family("unet", _unet, _ATTN, "StableDiffusionPipeline", "unet"),
+    "sana": Family("sana", _sana, _ATTN, "SanaPipeline", "transformer"),
+    "qwenimage": Family("qwenimage", _qwenimage, _JOINT, "QwenImagePipeline", "transformer",
+                        sigma_spacing="linear", packed_2x2=True, guide=_qwenimage_guide),
 }
+# fmt: on
 
 _BY_CLASS = {
     "SD3Transformer2DModel": "sd3",
     "FluxTransformer2DModel": "flux",
     "WanTransformer3DModel": "wan",
     "UNet2DConditionModel": "unet",
+    "SanaTransformer2DModel": "sana",
+    "QwenImageTransformer2DModel": "qwenimage",
 }
 
 
@@ -193,6 +294,8 @@ def predict(
     ).float()  # fmt: skip  # [2B, ...]
     uncond, text = out.chunk(2)  # [B, ...] each
     scale = guidance_scale.float().view(-1, *([1] * (x.dim() - 1)))  # [B, 1, ...]
+    if fam.guide is not None:  # the pipeline's own combination (Qwen-Image: norm rescale)
+        return fam.guide(uncond, text, scale)  # [B, ...]
     return uncond + scale * (text - uncond)  # [B, ...]
 
 
@@ -210,7 +313,7 @@ def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None
             "latent_shape_for: pass latent_shape explicitly for a user velocity module"
         )
     channels = model.config.in_channels
-    if fam.name == "flux":  # FLUX packs 2x2 patches: in_channels = 4 C, even latent sides
+    if fam.packed_2x2:  # FLUX / Qwen-Image pack 2x2 patches: in_channels = 4 C, even sides
         return channels // 4, 2 * (height // (spatial * 2)), 2 * (width // (spatial * 2))
     if fam.video:
         if num_frames is None:
@@ -236,6 +339,16 @@ def _decode_wan(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
     return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, F, H, W]
 
 
+def _decode_qwenimage(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
+    # AutoencoderKLQwenImage is Wan's causal video VAE: an image is a one-frame video
+    return _decode_wan(vae, z[:, :, None], pixel_range)[:, :, 0]  # [N, 3, H, W]
+
+
+def _decode_dc(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
+    z = (z / vae.config.scaling_factor).to(compute_dtype_of(vae))  # [N, C, h, w]
+    return (vae.decode(z, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)  # [N, 3, H, W]
+
+
 def _decode_pixel(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
     if pixel_range == "zero_one":
         return z.float().clamp(0, 1)
@@ -247,7 +360,15 @@ def _decode_pixel(vae, z: Tensor, pixel_range: PixelRange) -> Tensor:
 DECODERS: dict[str, Callable[[Any, Tensor, PixelRange], Tensor]] = {
     "kl": _decode_kl,
     "wan": _decode_wan,
+    "qwenimage": _decode_qwenimage,
+    "dc": _decode_dc,
     "pixel": _decode_pixel,
+}
+_DECODER_OF = {
+    "AutoencoderKL": "kl",
+    "AutoencoderKLWan": "wan",
+    "AutoencoderKLQwenImage": "qwenimage",
+    "AutoencoderDC": "dc",
 }
 
 
@@ -256,14 +377,12 @@ def decoder_of(vae: Any) -> str:
     if vae is None:
         return "pixel"
     name = type(vae).__name__
-    if name == "AutoencoderKLWan":
-        return "wan"
-    if name == "AutoencoderKL":
-        return "kl"
-    raise ValueError(
-        f"no decoder for a VAE of class {name}; supported: AutoencoderKL, AutoencoderKLWan or None "
-        "(pixel-space model)"
-    )
+    if name not in _DECODER_OF:
+        raise ValueError(
+            f"no decoder for a VAE of class {name}; supported: {', '.join(_DECODER_OF)} or None "
+            "(pixel-space model)"
+        )
+    return _DECODER_OF[name]
 
 
 def vae_scale(vae: Any) -> tuple[int, int]:
@@ -272,4 +391,8 @@ def vae_scale(vae: Any) -> tuple[int, int]:
         return 1, 1
     if type(vae).__name__ == "AutoencoderKLWan":
         return 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+    if type(vae).__name__ == "AutoencoderKLQwenImage":  # images only (QwenImagePipeline's factor)
+        return 2 ** len(vae.temperal_downsample), 1
+    if type(vae).__name__ == "AutoencoderDC":  # SanaPipeline's vae_scale_factor
+        return 2 ** (len(vae.config.encoder_block_out_channels) - 1), 1
     return 2 ** (len(vae.config.block_out_channels) - 1), 1

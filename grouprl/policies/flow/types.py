@@ -18,7 +18,9 @@ class FlowCondition:
 
     embeds:   dict of tensors batched on B, the conditional branch: "prompt_embeds" [B, L, D] and
               "pooled_prompt_embeds" [B, P] for text models, or any keys a user velocity module
-              takes (e.g. "class_labels" Long[B])
+              takes (e.g. "class_labels" Long[B]); a text mask ("..._mask" [B, L], SANA /
+              Qwen-Image) lets rows of different lengths L be joined: `cat` zero-pads them to the
+              longest (padding with mask 0, as the pipelines pad a batch)
     negative: the same keys for the unconditional branch of classifier-free guidance (empty prompt,
               negative prompt or null class), or None (guidance then needs guidance_scale <= 1)
     """
@@ -73,10 +75,27 @@ class FlowCondition:
                for p in parts):  # fmt: skip
             raise ValueError("FlowCondition.cat needs the same keys (and negatives) in every part")
         full = [p.repeat(1) for p in parts]  # negatives expanded to one row per sample
+        masked = any(k.endswith("_mask") for k in keys)
         neg = None
         if parts[0].negative is not None:
-            neg = {k: torch.cat([p.negative[k] for p in full]) for k in keys}
-        return cls({k: torch.cat([p.embeds[k] for p in full]) for k in keys}, neg)
+            neg = {k: pad_cat([p.negative[k] for p in full], masked, k) for k in keys}
+        return cls({k: pad_cat([p.embeds[k] for p in full], masked, k) for k in keys}, neg)
+
+
+def pad_cat(tensors: list[Tensor], masked: bool, key: str = "embeds") -> Tensor:
+    """torch.cat along rows [B_i, L_i, ...] -> [sum B_i, max L_i, ...]: rows shorter along dim 1
+    are zero-padded at the end, which only a condition with a text mask allows (mask 0 there)."""
+    if all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+        return torch.cat(tensors)
+    if not masked or any(t.dim() < 2 or t.shape[2:] != tensors[0].shape[2:] for t in tensors):
+        raise ValueError(
+            f"FlowCondition rows of {key!r} differ in shape {[tuple(t.shape) for t in tensors]}; "
+            "only text of different lengths with its mask can be joined (zero-padded)"
+        )
+    longest = max(t.shape[1] for t in tensors)
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1]))
+              for t in tensors]  # fmt: skip  # [B_i, longest, ...] each
+    return torch.cat(padded)
 
 
 @dataclass

@@ -1,8 +1,13 @@
 """Builders for image / video policies: the `model:` and `diffusion:` sections -> a FlowPolicy (flow
 rules for model.type flow, DDIM rules for model.type unet).
 
+The pipeline class a folder's model_index.json names must be one of
+policies/flow/pipelines.SUPPORTED_PIPELINES, which decides the denoiser family and the prompt
+encoder; any other is refused by name while the config is validated (a hub id: once its
+model_index.json is downloaded, before any model loads).
+
 model.type "flow":
-- a diffusers pipeline folder or hub id (SD3, FLUX, Wan): the denoiser named in model_index.json
+- a diffusers pipeline folder or hub id (SD3, FLUX, Wan, SANA, Qwen-Image): the denoiser named in model_index.json
   ("transformer"), its VAE, its scheduler config as shipped (SD3 FlowMatchEuler shift 3, FLUX's
   dynamic shifting from the image size, Wan's UniPC flow_shift; an explicit diffusion.shift
   replaces the shift, turns dynamic shifting off, and says so in a warning) and a
@@ -11,9 +16,11 @@ model.type "flow":
   see policies/flow/models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
   into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
   conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
-model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
-sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler config (SD 1.5's
-PNDM betas and steps_offset), as DDPO does.
+model.type "unet": an SD 1.x or SDXL pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP
+text encoder(s), sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler
+config (SD 1.5's PNDM, SDXL's EulerDiscrete: their betas, steps_offset and timestep spacing), as
+DDPO does; SDXL's pooled embedding and micro-conditioning time ids for (diffusion.height, width)
+come with the prompt encoder.
 model.dtype is the compute dtype (policies/precision.py): trainable weights stay float32.
 
 Choices: full fine-tuning keeps a frozen reference copy only when a KL is on, made here before any
@@ -25,7 +32,6 @@ use (they sample every step deterministically, workloads/images/sampling.py).
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from pathlib import Path
@@ -70,16 +76,31 @@ def load_velocity_module(m: Any) -> torch.nn.Module:
     return model
 
 
-def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
-    """Denoiser, VAE and scheduler config of a diffusers pipeline folder / hub id; its class name."""
+def check_image_model(m: Any) -> None:
+    """Config-time check of model.name_or_path (policies/flow/pipelines.check_pipeline): a
+    pipeline class grouprl does not train is refused by name before anything loads."""
+    from grouprl.policies.flow.pipelines import check_pipeline
+
+    if m.type == "flow" and is_module_spec(m.name_or_path):
+        return
+    check_pipeline(m.name_or_path, m.type)
+
+
+def _pipeline_parts(m: Any) -> tuple[Any, Any, dict, Any]:
+    """Denoiser, VAE and scheduler config of a diffusers pipeline folder / hub id; its entry of
+    SUPPORTED_PIPELINES (refused before any model loads when there is none)."""
     import diffusers
     from huggingface_hub import hf_hub_download
+
+    from grouprl.policies.flow.pipelines import check_index, read_model_index
 
     root = Path(m.name_or_path)
     index = root / "model_index.json" if root.is_dir() else None
     if index is None:
         index = Path(hf_hub_download(m.name_or_path, "model_index.json"))
-    spec = json.loads(index.read_text())
+    spec = read_model_index(index, m.name_or_path)
+    support = check_index(spec, m.name_or_path, m.type)
+    denoiser = support.denoiser
     if denoiser not in spec:
         raise ValueError(
             f"model.name_or_path={m.name_or_path!r}: model_index.json has no {denoiser!r} "
@@ -98,7 +119,7 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
     sched_cls = getattr(diffusers, spec["scheduler"][1])
     sched = dict(sched_cls.load_config(m.name_or_path, subfolder="scheduler"))
     sched["_class_name"] = spec["scheduler"][1]  # the class model_index.json names
-    return net, vae, sched, spec[denoiser][1]
+    return net, vae, sched, support
 
 
 def _lora(cfg: Any) -> dict | None:
@@ -119,6 +140,7 @@ def _steps(d: Any) -> dict:
 
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:
     """FlowPolicy with flow rules (model.type flow) or DDIM rules (unet) from the config."""
+    from grouprl.policies.flow.models import FAMILIES
     from grouprl.policies.flow.policy import FlowPolicy, PromptEncoder, latent_shape_for
     from grouprl.policies.flow.unet import ddim_config, ddim_policy
 
@@ -154,21 +176,20 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         policy = FlowPolicy(net, latent_shape=(channels, d.height, d.width), family="module",
                             scheduler_config=sched, **common)  # fmt: skip
     else:
-        net, vae, sched, cls_name = _pipeline_parts(
-            m, "unet" if m.type == "unet" else "transformer"
-        )
+        net, vae, sched, support = _pipeline_parts(m)
         source = m.name_or_path  # full fine-tunes save a whole pipeline folder from it
-        video = cls_name == "WanTransformer3DModel"
+        cls_name = type(net).__name__
+        video = FAMILIES[support.family].video
         if d.num_frames != 1 and not video:
             raise ValueError(
                 f"diffusion.num_frames={d.num_frames} needs a video model; {cls_name} draws images"
             )
         frames = d.num_frames if video else None
-        shape = latent_shape_for(net, vae, d.height, d.width, frames)
+        shape = latent_shape_for(net, vae, d.height, d.width, frames, family=support.family)
         encoder = PromptEncoder.from_pretrained(
-            m.name_or_path, "unet" if m.type == "unet" else _family_name(net),
-            dtype=getattr(torch, m.dtype), negative_prompt=m.negative_prompt,
-            max_sequence_length=m.max_sequence_length,
+            m.name_or_path, support.family, dtype=getattr(torch, m.dtype),
+            negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length,
+            image_size=(d.height, d.width),
         )  # fmt: skip
         if m.type == "unet":
             if d.shift is not None:
@@ -178,13 +199,13 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
                 )
             policy = ddim_policy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                  scheduler_config=ddim_config(sched), pipeline_source=source,
-                                 **common)  # fmt: skip
+                                 family=support.family, **common)  # fmt: skip
         else:
             if d.shift is not None:
                 sched = _override_shift(sched, d.shift)
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=sched, pipeline_source=source,
-                                **common)  # fmt: skip
+                                family=support.family, **common)  # fmt: skip
     if cfg.algorithm.kl_coef > 0 and policy.lora is None:
         # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
         # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)
@@ -200,9 +221,3 @@ def _override_shift(sched: dict, shift: float) -> dict:
     out, note = override_shift(sched, shift)
     warnings.warn(note, stacklevel=2)
     return out
-
-
-def _family_name(net: Any) -> str:
-    from grouprl.policies.flow.models import family_of
-
-    return family_of(net).name
