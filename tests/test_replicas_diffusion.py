@@ -22,6 +22,9 @@ PIPELINES = {
     "flux.1-schnell": "FluxPipeline",
     "wan2.1-t2v": "WanPipeline",
     "sd1.5": "StableDiffusionPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+    "sana-1.6b": "SanaPipeline",
+    "qwen-image": "QwenImagePipeline",
 }
 LAYOUT = {
     "sd3.5-medium": {"scheduler", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
@@ -31,8 +34,21 @@ LAYOUT = {
     "wan2.1-t2v": {"scheduler", "text_encoder", "tokenizer", "transformer", "vae"},
     "sd1.5": {"feature_extractor", "safety_checker", "scheduler", "text_encoder", "tokenizer",
               "unet", "vae"},
+    "sdxl": {"scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet",
+             "vae"},
+    "sana-1.6b": {"scheduler", "text_encoder", "tokenizer", "transformer", "vae"},
+    "qwen-image": {"scheduler", "text_encoder", "tokenizer", "transformer", "vae"},
 }  # fmt: skip
 LAYOUT["flux.1-schnell"] = LAYOUT["flux.1-dev"]
+# the files each tokenizer class's hub folder has
+TOKENIZER_FILES = {
+    "CLIPTokenizer": {"vocab.json", "merges.txt"},
+    "T5TokenizerFast": {"spiece.model"},
+    "GemmaTokenizerFast": {"tokenizer.json"},
+    "Qwen2Tokenizer": {"vocab.json", "merges.txt"},
+}
+# the dtype a pipeline is loaded in, as its model card does (Qwen-Image's folder is bfloat16)
+LOAD_DTYPE = {"qwen-image": torch.bfloat16}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +82,7 @@ def test_layout_and_size(replica, name):
     for tok in [p for p in parts if p.startswith("tokenizer")]:
         cls = index[tok][1]
         files = {p.name for p in (folder / tok).iterdir()}
-        expected = {"vocab.json", "merges.txt"} if cls == "CLIPTokenizer" else {"spiece.model"}
-        assert expected <= files and "tokenizer_config.json" in files, (tok, files)
+        assert TOKENIZER_FILES[cls] <= files and "tokenizer_config.json" in files, (tok, files)
     assert _size_mb(folder) < 5
 
 
@@ -85,6 +100,17 @@ SCHEDULERS = {
     "sd1.5": ("PNDMScheduler",
               {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
                "skip_prk_steps": True, "set_alpha_to_one": False, "steps_offset": 1}),
+    "sdxl": ("EulerDiscreteScheduler",
+             {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+              "prediction_type": "epsilon", "timestep_spacing": "leading", "steps_offset": 1}),
+    "sana-1.6b": ("DPMSolverMultistepScheduler",
+                  {"algorithm_type": "dpmsolver++", "solver_type": "midpoint", "solver_order": 2,
+                   "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                   "flow_shift": 3.0}),
+    "qwen-image": ("FlowMatchEulerDiscreteScheduler",
+                   {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+                    "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+                    "time_shift_type": "exponential"}),
 }  # fmt: skip
 VAES = {
     "sd3.5-medium": {"scaling_factor": 1.5305, "shift_factor": 0.0609, "latent_channels": 16,
@@ -92,6 +118,9 @@ VAES = {
     "flux.1-dev": {"scaling_factor": 0.3611, "shift_factor": 0.1159, "latent_channels": 16},
     "sd1.5": {"scaling_factor": 0.18215, "latent_channels": 4, "use_quant_conv": True},
     "wan2.1-t2v": {"z_dim": 16, "temperal_downsample": [False, True, True]},
+    "sdxl": {"scaling_factor": 0.13025, "latent_channels": 4, "force_upcast": True},
+    "sana-1.6b": {"scaling_factor": 0.41407, "latent_channels": 32},
+    "qwen-image": {"z_dim": 16, "temperal_downsample": [False, True, True]},
 }  # fmt: skip
 
 
@@ -105,7 +134,9 @@ def test_scheduler_and_vae_settings(replica, name):
     vae = json.loads((folder / "vae" / "config.json").read_text())
     want = VAES.get(name, VAES["flux.1-dev"])
     assert {k: vae[k] for k in want} == want
-    if name != "wan2.1-t2v":  # the real VAEs downsample 8x: 4 levels
+    if name == "sana-1.6b":  # DC-AE f32c32: 6 levels, 32x
+        assert len(vae["encoder_block_out_channels"]) == 6
+    elif "block_out_channels" in vae:  # the real KL VAEs downsample 8x: 4 levels
         assert len(vae["block_out_channels"]) == 4
 
 
@@ -123,6 +154,11 @@ CALLS = {
     "wan2.1-t2v": dict(height=32, width=32, num_frames=5, guidance_scale=5.0,
                        max_sequence_length=16),
     "sd1.5": dict(height=64, width=64, guidance_scale=7.5),
+    "sdxl": dict(height=64, width=64, guidance_scale=5.0),
+    "sana-1.6b": dict(height=64, width=64, guidance_scale=4.5, max_sequence_length=16,
+                      use_resolution_binning=False),
+    "qwen-image": dict(height=32, width=32, true_cfg_scale=4.0, negative_prompt=" ",
+                       max_sequence_length=64),
 }  # fmt: skip
 
 
@@ -131,9 +167,10 @@ def test_loads_as_its_pipeline_and_runs_two_steps(replica, name):
     import diffusers
 
     folder = replica(name)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+    dtype = LOAD_DTYPE.get(name, torch.float32)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, dtype=dtype)
     assert type(pipe).__name__ == PIPELINES[name]
-    same = getattr(diffusers, PIPELINES[name]).from_pretrained(folder)
+    same = getattr(diffusers, PIPELINES[name]).from_pretrained(folder, dtype=dtype)
     assert type(same.scheduler).__name__ == SCHEDULERS[name][0]
     kw = dict(CALLS[name], num_inference_steps=2, output_type="pt",
               generator=torch.Generator().manual_seed(0))  # fmt: skip
@@ -141,7 +178,7 @@ def test_loads_as_its_pipeline_and_runs_two_steps(replica, name):
         assert pipe.safety_checker is not None and pipe.feature_extractor is not None
     out = pipe(prompt="a red bicycle leaning against a brick wall", **kw)
     images = out.frames if name == "wan2.1-t2v" else out.images
-    images = torch.as_tensor(images)
+    images = torch.as_tensor(images).float()
     assert torch.isfinite(images).all()
     side = CALLS[name]["height"]
     if name == "wan2.1-t2v":  # [B, F, 3, H, W]
@@ -220,3 +257,56 @@ def test_replicas_command_lists_and_builds(tmp_path):
         [*run, "sd9", str(tmp_path / "g")], capture_output=True, text=True, env=env
     )
     assert bad.returncode == 2 and "unknown replica 'sd9'" in bad.stderr
+
+
+def test_sdxl_conditioning_settings(replica):
+    """Two CLIP encoders (CLIP-L without projection, CLIP-G with), a text_time UNet whose added
+    embedding width is 6 time ids x addition_time_embed_dim + CLIP-G's projection_dim, and
+    force_zeros_for_empty_prompt, as stable-diffusion-xl-base-1.0."""
+    folder = replica("sdxl")
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+    assert index["text_encoder_2"] == ["transformers", "CLIPTextModelWithProjection"]
+    assert index["force_zeros_for_empty_prompt"] is True
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    proj = json.loads((folder / "text_encoder_2" / "config.json").read_text())["projection_dim"]
+    assert unet["addition_embed_type"] == "text_time"
+    assert (
+        unet["projection_class_embeddings_input_dim"] == 6 * unet["addition_time_embed_dim"] + proj
+    )
+    widths = [json.loads((folder / f / "config.json").read_text())["hidden_size"]
+              for f in ("text_encoder", "text_encoder_2")]  # fmt: skip
+    assert unet["cross_attention_dim"] == sum(widths)
+
+
+def test_sana_and_qwen_image_text_encoders(replica):
+    """SANA: Gemma2Model with Gemma 2's soft-capping and special-token ids, BOS added, right
+    padding. Qwen-Image: Qwen2.5-VL in bfloat16 whose tokenizer splits the pipeline's prompt
+    template prefix into the 34 tokens the pipeline drops."""
+    from diffusers import QwenImagePipeline
+    from transformers import AutoTokenizer
+
+    from grouprl.replicas.diffusion import QWEN_IMAGE_SYSTEM
+
+    sana = replica("sana-1.6b")
+    gemma = json.loads((sana / "text_encoder" / "config.json").read_text())
+    assert gemma["architectures"] == ["Gemma2Model"]
+    assert (gemma["final_logit_softcapping"], gemma["attn_logit_softcapping"]) == (30.0, 50.0)
+    tok = AutoTokenizer.from_pretrained(sana / "tokenizer")
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+    assert tok("a red cube").input_ids[0] == 2 and tok.padding_side == "right"
+    qwen = replica("qwen-image")
+    config = json.loads((qwen / "text_encoder" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["dtype"] == "bfloat16"
+    transformer = json.loads((qwen / "transformer" / "config.json").read_text())
+    assert transformer["joint_attention_dim"] == config["text_config"]["hidden_size"]
+    assert transformer["in_channels"] == 4 * transformer["out_channels"] == 64
+    tok = AutoTokenizer.from_pretrained(qwen / "tokenizer")
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=tok,
+                             transformer=None)  # fmt: skip
+    ids = tok(pipe.prompt_template_encode.format("a red cube")).input_ids
+    drop = pipe.prompt_template_encode_start_idx
+    assert drop == 34 and QWEN_IMAGE_SYSTEM in pipe.prompt_template_encode
+    assert tok.decode(ids[drop:]).startswith("a red cube<|im_end|>")
+    assert tok.decode(ids[:drop]).endswith("<|im_start|>user\n")
