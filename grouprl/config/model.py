@@ -102,8 +102,9 @@ class ImageModelConfig(Section):
 
     type: Literal["flow", "unet"] = Field(
         "flow",
-        description="flow (a diffusers flow transformer pipeline: SD3 / FLUX / Wan, or a user "
-        "velocity module), unet (SD 1.x UNet with DDIM, DDPO).",
+        description="flow (a diffusers flow transformer pipeline: SD3 / FLUX / Wan / SANA / "
+        "Qwen-Image, or a user velocity module), unet (SD 1.x / SDXL UNet with DDIM, DDPO); "
+        "another pipeline class is refused when the config is read.",
     )
     name_or_path: NameOrPath
     dtype: Dtype = "float32"

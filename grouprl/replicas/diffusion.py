@@ -38,6 +38,42 @@ builds in a few seconds). Weights are random (seeded, so a folder is the same on
                   skip_prk_steps True, set_alpha_to_one False, steps_offset 1), CLIPTextModel
                   (quick_gelu) + CLIPTokenizer, StableDiffusionSafetyChecker + CLIPImageProcessor
                   (224 crop, bicubic, CLIP mean / std), requires_safety_checker True.
+  sdxl            stabilityai/stable-diffusion-xl-base-1.0 (StableDiffusionXLPipeline):
+                  UNet2DConditionModel (DownBlock2D + 2 CrossAttnDownBlock2D and the mirror ups,
+                  linear projections, transformer depth growing with the level as [1, 2, 10]
+                  (here [1, 1, 2]), addition_embed_type "text_time": 6 micro-conditioning time ids
+                  x addition_time_embed_dim + CLIP-G's projection_dim =
+                  projection_class_embeddings_input_dim, cross_attention_dim = CLIP-L + CLIP-G
+                  widths), CLIPTextModel (CLIP-L, quick_gelu) + CLIPTextModelWithProjection
+                  (CLIP-G, gelu, its own projection_dim), CLIPTokenizer x2 (CLIP-G's pad "!"),
+                  AutoencoderKL (scaling_factor 0.13025, force_upcast), EulerDiscreteScheduler
+                  (scaled_linear 0.00085 - 0.012, epsilon, leading spacing, steps_offset 1),
+                  force_zeros_for_empty_prompt True, add_watermarker null (as the hub's
+                  model_index.json).
+  sana-1.6b       Efficient-Large-Model/Sana_1600M_1024px_diffusers (SanaPipeline):
+                  SanaTransformer2DModel (32 latent channels, patch 1, linear self-attention and
+                  cross-attention heads of their own, mlp_ratio 2.5, no elementwise-affine norms,
+                  timestep_scale 1), AutoencoderDC as dc-ae-f32c32-sana-1.0 (6 levels: 32x spatial
+                  compression, ResBlock x3 then EfficientViTBlock x3 with multiscale 5, conv
+                  down / interpolate up, batch-norm / relu then rms-norm / silu decoder levels,
+                  scaling_factor 0.41407), Gemma2Model (gemma-2-2b-it's kind: soft-capping 30 / 50,
+                  gelu_pytorch_tanh, sliding window, query_pre_attn_scalar = head_dim) with
+                  GemmaTokenizerFast (pad 0, eos 1, bos 2, unk 3, mask 4, 256 byte-fallback pieces,
+                  "▁"-joined BPE, BOS added, right padding), DPMSolverMultistepScheduler in flow
+                  mode (dpmsolver++, order 2, midpoint, flow_prediction, use_flow_sigmas,
+                  flow_shift 3.0).
+  qwen-image      Qwen/Qwen-Image (QwenImagePipeline): QwenImageTransformer2DModel (2x2 patches:
+                  in_channels 64 = 16 latent channels x 4, joint_attention_dim = the text encoder
+                  width, RoPE axes summing to the head width), AutoencoderKLQwenImage (Wan's causal
+                  VAE kind: z_dim 16, temporal downsampling [False, True, True], 8x spatial,
+                  Qwen-Image's latents_mean / latents_std), FlowMatchEulerDiscreteScheduler
+                  (dynamic shifting 0.5 -> 0.9 over 256 -> 8192 tokens, exponential time shift,
+                  shift_terminal 0.02), Qwen2_5_VLForConditionalGeneration (Qwen2.5-VL-7B-Instruct's
+                  kind: replicas.vision's Qwen2.5-VL settings, untied head) + Qwen2Tokenizer (Qwen's
+                  pre-tokenizer and added tokens, vocab.json / merges.txt), all bfloat16 as the hub
+                  folder. The tokenizer's merges are learned with the pipeline's system prompt, so
+                  the prompt template's prefix is the 34 tokens the pipeline drops
+                  (prompt_template_encode_start_idx), one per word as with Qwen's vocabulary.
   pickscore       yuvalkirstain/PickScore_v1 with the processor of laion/CLIP-ViT-H-14 (one folder
                   for both, the `pickscore` reward's `model` and `processor`): CLIPModel (gelu,
                   patch 14 at 224, logit_scale 4.6052 as PickScore's trained value), CLIPProcessor
@@ -45,12 +81,15 @@ builds in a few seconds). Weights are random (seeded, so a folder is the same on
   clip-vit-large-patch14  openai/clip-vit-large-patch14 (the `clip_score` reward's default):
                   CLIPModel (quick_gelu, patch 14 at 224, logit_scale 2.6592), CLIPProcessor.
 
-Deviations, all of size: 2 transformer / text-encoder layers (FLUX: one double and one single
+Deviations, all of size: 2 transformer / text-encoder / UNet-level layers (FLUX: one double and one single
 block), widths of 32-96, byte-level BPE vocabularies of ~600 tokens trained with `tokenizers`, a
 sentencepiece unigram of a few hundred pieces trained with `sentencepiece` for T5 / UMT5 (UMT5's
 real vocabulary is multilingual, 256k pieces), and VAEs of 8 channels per level. model_index.json
 names the tokenizer classes as the hub folders do (T5TokenizerFast; transformers 5 makes it the
-same class as T5Tokenizer).
+same class as T5Tokenizer). SANA's Gemma vocabulary is ~750 pieces (real 256k) and its DC-AE has
+widths 8 - 32 (the last level a multiple of the 32 latent channels, which its shortcuts need); the
+SDXL and SANA folders are float32 (the SDXL hub folder's main weights are; SANA's ships float16 /
+bfloat16 variants).
 """
 
 from __future__ import annotations

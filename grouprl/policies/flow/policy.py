@@ -32,8 +32,8 @@ Public API (everything a loop or a user touches):
   .save_pretrained(dir, merge_lora=False) .load_saved_weights(dir)
   latent_shape_for(model, vae, height, width, num_frames=None, family=None) -> tuple
 
-Composition: the denoiser family (models.py: how to call SD3 / FLUX / Wan / a UNet / a user
-module) and the step rules (rules.py: the schedule and the step) are separate choices. DDIM over an
+Composition: the denoiser family (models.py: how to call SD3 / FLUX / Wan / SANA / Qwen-Image /
+a UNet / a user module) and the step rules (rules.py: the schedule and the step) are separate choices. DDIM over an
 SD 1.x UNet is `FlowPolicy(unet, family="unet", rules=DDIMRules(...))` (unet.ddim_policy builds it
 with DDPO's defaults); any object with the StepRules methods can be passed as `rules`.
 

@@ -1,5 +1,11 @@
-"""The DDIM / UNet policy of DDPO (arXiv 2305.13301): an SD 1.x-style epsilon-prediction
+"""The DDIM / UNet policy of DDPO (arXiv 2305.13301): an SD 1.x- or SDXL-style epsilon-prediction
 UNet2DConditionModel sampled with DDIM steps of eta > 0, each step an action with a Gaussian log-prob.
+
+SDXL (its UNet's addition_embed_type "text_time": models.py passes the pooled embedding and time
+ids) takes the same path: the DDIM schedule comes from its pipeline's EulerDiscreteScheduler config
+(`ddim_config`: the same scaled_linear betas, steps_offset 1 and leading spacing), and the sampler
+is DDIM with eta = diffusion.eta, as DDPO's SDXL ports do. Deviation: the SDXL pipeline itself
+samples with Euler; grouprl's rollouts and evaluation use DDIM steps over the same noise schedule.
 
 It is not a class of its own: a FlowPolicy over family "unet" composed with DDIMRules (rules.py:
 the DDIM schedule and step, the exact mean-space KL; DDPO has no KL term). `ddim_policy` builds one
