@@ -92,6 +92,14 @@ def test_a_template_that_mentions_tools_without_rendering_them(folders):
     assert listing.startswith("You can use the following tools") and '"name": "add"' in listing
 
 
+def test_call_format_is_read_off_the_render(folders):
+    from grouprl.envs.tools.formats import detect_tool_format
+
+    got = {f: detect_tool_format(_tok(folders, f)) for f in FAMILIES}
+    assert got == {"gemma2": "hermes", "phi3": "hermes", "qwen2.5": "hermes",
+                   "llama3": "llama3_json", "mistral": "mistral"}  # fmt: skip
+
+
 def test_stop_ids_are_the_generation_config_then_the_tokenizer(folders):
     gemma = _tok(folders, "gemma2")
     model = AutoModelForCausalLM.from_pretrained(folders["gemma2"])

@@ -10,7 +10,9 @@ template) and records, for each capability, whether the render succeeds and the 
               templates ignore `tools` without a word)
   tool_role   [user, assistant calling T, tool R] renders and contains R (Gemma's raises on the
               role order; Phi-3's drops the message without a word)
-  tool_calls  the same render contains T (the assistant's `tool_calls` are written out)
+  tool_calls  the same render contains T (the assistant's `tool_calls` are written out); the
+              render itself (`call_text`) shows the call format the template teaches
+              (envs/tools/formats.py detect_tool_format)
 
 Where a capability is missing, every site that renders a chat applies one stated fallback,
 announced once per tokenizer and capability (a ChatTemplateFallbackWarning naming the tokenizer's
@@ -42,6 +44,7 @@ OPTION = "model.chat_fallback"  # the option the error messages name
 # plain words: templates pass contents through `trim` and `tojson`, which must leave them intact
 _SYSTEM, _USER = "ProbeSystem4c1e", "ProbeUser9d2b"
 _TOOL, _RESULT = "probe_tool_7f3a", "ProbeResult5a80"
+PROBE_TOOL = _TOOL  # the probe call's function name (its arguments are {})
 _CALL_ID = "c00000000"  # 9 alphanumeric characters: Mistral's templates require that shape
 _SCHEMA = {
     "type": "function",
@@ -79,6 +82,7 @@ class ChatSupport:
     tools: bool
     tool_role: bool
     tool_calls: bool
+    call_text: str = ""  # the render of [user, assistant calling the probe tool, tool result]
 
 
 # tokenizer -> (template, ChatSupport); (source, template, capability) already announced
@@ -135,7 +139,7 @@ def probe_chat(tokenizer: Any) -> ChatSupport:
     source = source_of(tokenizer)
     shape = _content_shape(tokenizer) if tmpl is not None else None
     if shape is None:  # no template, or one that renders no user text at all
-        support = ChatSupport(source, False, False, False, False)
+        support = ChatSupport(source, False, False, False, False, "")
     else:
         user = {"role": "user", "content": shape(_USER)}
         call = {"id": _CALL_ID, "type": "function", "function": {"name": _TOOL, "arguments": {}}}
@@ -160,6 +164,7 @@ def probe_chat(tokenizer: Any) -> ChatSupport:
             tools=_renders(tokenizer, [user], _TOOL, add_generation_prompt=True, tools=[_SCHEMA]),
             tool_role=_RESULT in text,
             tool_calls=_TOOL in text,
+            call_text=text,
         )
     try:
         _PROBED[tokenizer] = (tmpl, support)
