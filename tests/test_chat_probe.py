@@ -155,6 +155,7 @@ def test_gsm8k_config_on_gemma2_refuses_naming_the_option(folders, gsm8k_file, t
     assert rc == 2
     err = capsys.readouterr().err
     assert "has no system role" in err and "set model.chat_fallback: announce" in err
+    assert not list((tmp_path / "out").rglob("config.yaml"))  # refused before the run directory
 
 
 def test_folded_prompt_is_the_first_user_turn(folders):
