@@ -339,3 +339,32 @@ def test_full_templates_render_as_before_without_a_fallback(folders, family):
         ).input_ids
     )
     assert template_supports_tools(tok) and tools_system_prompt(ToolSet([add]), tok) == ""
+
+
+def test_a_fresh_render_of_a_tool_conversation_on_gemma2(folders):
+    """What the gateway renders when a program's history starts a new segment: the system text
+    folded, the assistant's calls written in the call format, consecutive results in one user
+    turn (Gemma's roles must alternate)."""
+    from grouprl.rollouts.chat_probe import adapt_messages
+
+    tok = _tok(folders, "gemma2")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+    ]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        adapted = adapt_messages(tok, chat, "hermes")
+    assert len(_fallback_warnings(record)) == 3  # system, tool role, tool calls
+    assert [m["role"] for m in adapted] == ["user", "assistant", "user"]
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+    assert tok.apply_chat_template(adapted, tokenize=False, add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\nBe brief.\n\n2+3?<end_of_turn>\n<start_of_turn>model\n"
+        f"{one}\n{one}<end_of_turn>\n<start_of_turn>user\n<tool_response>\n5\n</tool_response>\n"
+        "<tool_response>\n6\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert chat[2]["tool_calls"] and chat[0]["role"] == "system"  # the caller's list is untouched
