@@ -368,3 +368,16 @@ def test_a_fresh_render_of_a_tool_conversation_on_gemma2(folders):
         "<tool_response>\n6\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
     )
     assert chat[2]["tool_calls"] and chat[0]["role"] == "system"  # the caller's list is untouched
+
+
+def test_agent_tools_on_phi3_refused_before_the_run_directory(folders, tmp_path, capsys):
+    rc = main(
+        ["train", str(ROOT / "configs/agents/frozenlake_gigpo.yaml"),
+         f"model.name_or_path={folders['phi3']}", f"run.output_dir={tmp_path / 'out'}",
+         f"agent.tools=[{ROOT / 'tests/test_tools_bugs.py'}:add]", "model.chat_fallback=error",
+         "train.steps=1", "run.console=false", "task.options.n_train=2", "task.options.n_eval=1"]
+    )  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "does not render tools" in err and "set model.chat_fallback: announce" in err
+    assert not list((tmp_path / "out").rglob("config.yaml"))
