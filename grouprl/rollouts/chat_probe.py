@@ -173,7 +173,7 @@ def probe_chat(tokenizer: Any) -> ChatSupport:
     return support
 
 
-def set_chat_fallback(tokenizer: Any, mode: str, option: str = OPTION) -> None:
+def set_chat_fallback(tokenizer: Any, mode: ChatFallback, option: str = OPTION) -> None:
     """What this tokenizer's users do when its template lacks a capability: "announce" (the
     stated fallback, warned once) or "error" (raise naming `option`, the config key that set it:
     model.chat_fallback for the policy, a reward's own option for its tokenizer)."""
