@@ -25,8 +25,9 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
   template; a turn without calls goes to the env. The schemas (the ToolSet's and an env's own
   `tools` attribute) are passed as `tools=` to the chat template when it renders them (probed,
   rollouts/chat_probe.py), else listed as plain text in the system prompt; a template without a
-  tool role gets the results as a user message (announced once). An env marks an observation that is a tool's output
-  with info["observation_role"] = "tool" (and info["tool_name"]); it is then a `tool` message too.
+  tool role gets the results as a user message (announced once). An env marks an observation
+  that is a tool's output with info["observation_role"] = "tool" (and info["tool_name"]); it is
+  then a `tool` message too.
   GiGPO anchors of tool turns are (env anchor, tool results so far).
 - Observations and tool results are made valid UTF-8 before encoding (lone surrogates -> "?").
 - Tree rollouts (rollout.tree, `tree=`): each group is sampled as a tree whose nodes are turns,
