@@ -19,6 +19,8 @@ CLASSES = {
     "llama3": ("LlamaForCausalLM", "PreTrainedTokenizerFast"),
     "mistral": ("MistralForCausalLM", "LlamaTokenizer"),
     "gpt2": ("GPT2LMHeadModel", "GPT2Tokenizer"),
+    "gemma2": ("Gemma2ForCausalLM", "GemmaTokenizer"),
+    "phi3": ("Phi3ForCausalLM", "LlamaTokenizer"),
 }
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json"}  # fmt: skip

@@ -42,6 +42,15 @@ Dtype = Annotated[
 LoRA = Annotated[
     LoRAConfig | None, Field(description="Train LoRA adapters instead of all weights.")
 ]
+ChatFallback = Annotated[
+    Literal["announce", "error"],
+    Field(
+        description="When the chat template lacks what a chat needs (probed by rendering it): "
+        "announce applies the stated fallback with one warning (system text folded into the "
+        "first user message; tools listed in plain text; tool results sent as a user message; "
+        "assistant tool calls written as text); error refuses, naming the template."
+    ),
+]
 GradientCheckpointing = Annotated[
     bool,
     Field(
@@ -68,6 +77,7 @@ class TextModelConfig(Section):
         "completion tokens) or plain (one [prompt | completion] pass); same numbers.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    chat_fallback: ChatFallback = "announce"
 
 
 class VisionModelConfig(Section):
@@ -95,6 +105,7 @@ class VisionModelConfig(Section):
         "expanded cache) or plain (one [prompt | completion] pass per row); same numbers.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    chat_fallback: ChatFallback = "announce"
 
 
 class ImageModelConfig(Section):

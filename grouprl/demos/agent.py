@@ -39,6 +39,7 @@ from grouprl.envs.gym import make_text_env
 from grouprl.envs.tasks import build_task
 from grouprl.policies.text.tiny import char_tokenizer, tiny_qwen2
 from grouprl.rollouts.chat_delta import first_messages
+from grouprl.rollouts.chat_probe import adapt_messages
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "agents" / "frozenlake_gigpo.yaml"
@@ -68,7 +69,7 @@ def expert_examples(
             if not path:  # in a hole or on the goal
                 break
             prompt = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                adapt_messages(tokenizer, messages), add_generation_prompt=True, tokenize=False
             )
             examples.append({"prompt": prompt, "answer": f"<action>{path[0]}</action>"})
             move = path[0] if rng.random() < expert_p else rng.choice(ACTIONS)

@@ -24,6 +24,12 @@ Behaviour worth knowing, kept on purpose because the real templates do it:
            [TOOL_CALLS] [...] with 9-character ids; results as [TOOL_RESULTS] {...}[/TOOL_RESULTS].
            The template is not append-only (rollouts fold the system prompt into the first user
            message and keep a single user message per episode).
+  GEMMA2   gemma-2-*-it: <bos>, <start_of_turn>user / model, <end_of_turn>; a system message raises
+           "System role not supported", roles must alternate user / model (a `tool` message after
+           an assistant turn raises), contents are trimmed, `tools=` is ignored.
+  PHI3     Phi-3-mini-4k-instruct: <|system|> / <|user|> / <|assistant|> ... <|end|>; `tools=`,
+           assistant `tool_calls` and `tool` messages are dropped without a word (the template
+           renders only the three roles); without the generation prompt it ends with the EOS text.
 """
 
 from __future__ import annotations
@@ -339,6 +345,31 @@ LLAVA15 = (
 )
 
 
+# Gemma 2 instruct (google/gemma-2-2b-it, gemma-2-9b-it: tokenizer_config.json "chat_template"),
+# copied exactly: the template is the model's data format.
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+# Phi-3-mini-4k-instruct (microsoft/Phi-3-mini-4k-instruct, tokenizer_config.json
+# "chat_template", May 2024 revision), copied exactly.
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
 TEMPLATES: dict[str, str] = {
     "qwen2.5": QWEN25,
     "qwen3": QWEN3,
@@ -346,4 +377,6 @@ TEMPLATES: dict[str, str] = {
     "mistral": MISTRAL,
     "qwen2-vl": QWEN2_VL,
     "llava-1.5": LLAVA15,
+    "gemma2": GEMMA2,
+    "phi3": PHI3,
 }

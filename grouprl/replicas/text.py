@@ -16,6 +16,8 @@ come first, as in Mistral's own vocabulary).
   llama3   LlamaForCausalLM (Llama 3.2 Instruct), header ids, <|eot_id|> / <|eom_id|>, ipython
   mistral  MistralForCausalLM (Mistral-7B-Instruct-v0.3), [INST] / [TOOL_CALLS] / [TOOL_RESULTS]
   gpt2     GPT2LMHeadModel with GPT-2's dropout 0.1 (resid / embd / attn), no chat template
+  gemma2   Gemma2ForCausalLM (gemma-2-it): soft-capping, <end_of_turn>, no system role (GEMMA2)
+  phi3     Phi3ForCausalLM (Phi-3-mini-4k-instruct): fused qkv / gate_up, <|end|>, no tool role
 
 Deviations (all of size, none of kind): tiny vocabularies (so ids of ordinary text differ from the
 real ones, special tokens keep their order and their place after the vocabulary), 2 layers;
@@ -445,6 +447,136 @@ def build_qwen25_rm(out: Path | str) -> Path:
     return out
 
 
+# --------------------------------------------------------------------------- gemma2, phi3
+# Gemma's first ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3, <mask> 4, [@BOS@] 5, <unused0..98> 6-104
+# <start_of_turn> 106, <end_of_turn> 107 (gemma-2-*-it tokenizer.json); the replica keeps them
+# there, then the 256 byte-fallback tokens, then the learned pieces.
+_GEMMA_FIRST = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "[@BOS@]"] + [
+    f"<unused{i}>" for i in range(99)
+]
+_GEMMA_TURN = ["<start_of_turn>", "<end_of_turn>"]  # ids 106 and 107 after <unused99> at 105
+
+
+def _gemma_tokenizer() -> Any:
+    """GemmaTokenizer (BPE with byte fallback, spaces as "▁", no prefix space) with Gemma's
+    control ids in place and <start_of_turn> / <end_of_turn> at 106 / 107."""
+    from tokenizers import AddedToken, pre_tokenizers
+    from transformers import GemmaTokenizer
+
+    learned, merges = _train_bpe(
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
+        _VOCAB,
+        byte_level=False,
+    )
+    controls = [*_GEMMA_FIRST, "<unused99>", *_GEMMA_TURN]
+    vocab = {t: i for i, t in enumerate(controls)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in sorted(learned, key=learned.get):
+        vocab.setdefault(piece, len(vocab))
+    tok = GemmaTokenizer(
+        vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False,
+        model_max_length=1000000000000000019884624838656, spaces_between_special_tokens=False,
+    )  # fmt: skip
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in controls])
+    tok.add_special_tokens({"additional_special_tokens": _GEMMA_TURN})
+    tok.chat_template = TEMPLATES["gemma2"]
+    return tok
+
+
+def build_gemma2(out: Path | str) -> Path:
+    """Gemma 2 instruct (Gemma2ForCausalLM: final-logit soft-capping 30, attention soft-capping 50,
+    query_pre_attn_scalar = head_dim, alternating sliding / full layers, tied embeddings, bfloat16
+    as gemma-2-9b-it's config); generation_config ends on <eos> 1 and <end_of_turn> 107 while the
+    tokenizer's EOS is <eos>; the template raises on a system message."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    out = Path(out)
+    tok = _gemma_tokenizer()
+    cfg = Gemma2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False,
+        attention_dropout=0.0, sliding_window=4096, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Gemma2ForCausalLM(cfg)
+    gen = dict(bos_token_id=2, eos_token_id=[1, 107], pad_token_id=0, cache_implementation="hybrid")
+    return save_replica(model, tok, gen, out, torch.bfloat16)
+
+
+# Phi-3's added tokens from id 32000 (Phi-3-mini-4k-instruct tokenizer.json): all special; the
+# ones after <|endoftext|> strip the whitespace that follows them (rstrip), as the real ones do.
+_PHI3_ADDED = [
+    "<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+    "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>",
+    "<|user|>",
+]  # fmt: skip
+
+
+def _phi3_tokenizer() -> Any:
+    """Llama's SentencePiece-style BPE (LlamaTokenizer: <unk> 0, <s> 1, </s> 2, byte fallback)
+    with Phi-3's added tokens after the vocabulary; EOS and PAD <|endoftext|>, no BOS added."""
+    from tokenizers import AddedToken, pre_tokenizers
+    from transformers import LlamaTokenizer
+
+    learned, merges = _train_bpe(
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
+        _VOCAB,
+        byte_level=False,
+    )
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in sorted(learned, key=learned.get):
+        vocab.setdefault(piece, len(vocab))
+    tok = LlamaTokenizer(
+        vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        add_bos_token=False, add_eos_token=False, legacy=False, model_max_length=4096,
+        padding_side="left",
+    )  # fmt: skip
+    tok.add_tokens(
+        [
+            AddedToken(t, special=True, normalized=False, rstrip=k > 0)
+            for k, t in enumerate(_PHI3_ADDED)
+        ]
+    )
+    tok.eos_token = tok.pad_token = "<|endoftext|>"
+    tok.chat_template = TEMPLATES["phi3"]
+    return tok
+
+
+def build_phi3(out: Path | str) -> Path:
+    """Phi-3-mini-4k-instruct (Phi3ForCausalLM: fused qkv_proj and gate_up_proj, untied head,
+    sliding window 2047, bfloat16); generation_config ends on <|endoftext|>, <|assistant|> and
+    <|end|> while the tokenizer's EOS is <|endoftext|>; the template drops tools and tool turns."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    out = Path(out)
+    tok = _phi3_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in _PHI3_ADDED}
+    vocab = -(-len(tok) // 64) * 64  # padded to a multiple of 64, as 32064 is
+    eot = ids["<|endoftext|>"]
+    cfg = Phi3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0, hidden_act="silu", max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=eot, pad_token_id=eot,
+        sliding_window=2047, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Phi3ForCausalLM(cfg)
+    gen = dict(
+        bos_token_id=1, eos_token_id=[eot, ids["<|assistant|>"], ids["<|end|>"]], pad_token_id=eot
+    )
+    return save_replica(model, tok, gen, out, torch.bfloat16)
+
+
 TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
     "qwen2.5": build_qwen25,
     "qwen3": build_qwen3,
@@ -452,6 +584,8 @@ TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
     "mistral": build_mistral,
     "gpt2": build_gpt2,
     "qwen2.5-rm": build_qwen25_rm,  # a reward model (sequence classifier), not a policy
+    "gemma2": build_gemma2,
+    "phi3": build_phi3,
 }
 
 

@@ -20,6 +20,15 @@ so the prompt carries the template's own tool listing. Tool results are `{"role"
 messages; `messages_delta_text` renders them in the template's own form (Qwen's <tool_response>
 inside a user turn, Llama's ipython turn, Mistral's [TOOL_RESULTS]) against the same dummy
 conversation, checking that the template appends them.
+
+What the template supports is probed by rendering it (rollouts/chat_probe.py): every render here
+goes through `adapt_messages`, so a template without a system role gets the system text folded
+into the first user message and one without a tool role gets tool results as a user message, each
+announced once (or refused under model.chat_fallback: error).
+
+End of turn: a sampled turn that ended with a stop id (policies/text/stop_ids.py: the generation
+config's EOS ids and the tokenizer's, e.g. Gemma's <end_of_turn>, Phi-3's <|end|>) already holds
+the closing marker; when the template's closing text starts with that token's text, it is dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 import json
 import weakref
 from typing import Any
+
+from grouprl.rollouts.chat_probe import adapt_messages, supports
 
 _SENTINEL = "\x00OBSERVATION\x00"  # stands for the observation inside the dummy conversation
 _DUMMY_USER, _DUMMY_ASSISTANT = "dummy question", "dummy answer"
@@ -39,7 +50,10 @@ def _render(
 ) -> str:
     extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
+        adapt_messages(tokenizer, messages),
+        add_generation_prompt=generation_prompt,
+        tokenize=False,
+        **extra,
     )
 
 
@@ -101,28 +115,37 @@ def _delta_pieces(tokenizer: Any, tools: list[dict] | None = None) -> tuple[str,
 
 
 def observation_delta_text(
-    tokenizer: Any, observation: str, ended_with_eos: bool, tools: list[dict] | None = None
+    tokenizer: Any, observation: str, ended_with_eos: bool | int, tools: list[dict] | None = None
 ) -> str:
     """The text the chat template renders after an assistant turn's content up to the next
     assistant turn's generation prompt, with `observation` as the user message in between.
 
-    ended_with_eos: the sampled turn already ends with the EOS token; if the template's closing
-    text starts with the EOS text, that part is dropped (the sampled EOS already is the marker).
+    ended_with_eos: the stop id the sampled turn ended with (True: the tokenizer's EOS; False:
+    none); if the template's closing text starts with that token's text, that part is dropped
+    (the sampled token already is the marker).
     """
     head, tail, strip = _delta_pieces(tokenizer, tools)
     body = observation.strip() if strip else observation
     return _drop_sampled_eos(tokenizer, head, ended_with_eos) + body + tail
 
 
-def _drop_sampled_eos(tokenizer: Any, head: str, ended_with_eos: bool) -> str:
-    eos = tokenizer.eos_token
-    if ended_with_eos and eos and head.startswith(eos):
-        return head[len(eos) :]
-    return head
+def _drop_sampled_eos(tokenizer: Any, head: str, ended_with_eos: bool | int) -> str:
+    """head without the text of the stop token the turn ended with, when head starts with it."""
+    if ended_with_eos is False or ended_with_eos is None:
+        return head
+    eos_id = tokenizer.eos_token_id if ended_with_eos is True else int(ended_with_eos)
+    eos = tokenizer.convert_ids_to_tokens(eos_id) if eos_id is not None else None
+    if not (eos and head.startswith(eos)):
+        return head
+    rest = head[len(eos) :]
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(eos_id)
+    # a token that strips the whitespace after it (Phi-3's <|end|>: rstrip) absorbed it in the
+    # rendered chat; tokenised alone, that whitespace would become a token of its own
+    return rest.lstrip() if getattr(added, "rstrip", False) else rest
 
 
 def observation_delta_ids(
-    tokenizer: Any, observation: str, ended_with_eos: bool, tools: list[dict] | None = None
+    tokenizer: Any, observation: str, ended_with_eos: bool | int, tools: list[dict] | None = None
 ) -> list[int]:
     """Token ids of `observation_delta_text` (tokenised alone, no special tokens added)."""
     text = observation_delta_text(tokenizer, observation, ended_with_eos, tools)
@@ -130,7 +153,10 @@ def observation_delta_ids(
 
 
 def messages_delta_text(
-    tokenizer: Any, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None
+    tokenizer: Any,
+    messages: list[dict],
+    ended_with_eos: bool | int,
+    tools: list[dict] | None = None,
 ) -> str:
     """What the template renders after an assistant turn's content for the next `messages`
     (e.g. `tool` results, in order) up to the next assistant turn's generation prompt.
@@ -161,7 +187,10 @@ def messages_delta_text(
 
 
 def messages_delta_ids(
-    tokenizer: Any, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None
+    tokenizer: Any,
+    messages: list[dict],
+    ended_with_eos: bool | int,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of `messages_delta_text` (tokenised alone, no special tokens added)."""
     text = messages_delta_text(tokenizer, messages, ended_with_eos, tools)
@@ -174,20 +203,20 @@ def first_messages(
     """The initial chat: a system message if the template renders one where it stays (the
     rendering of [system, user] is still the start after an assistant turn follows), else the
     system prompt prepended to the first observation (blank line between); no system message if
-    it is empty. Mistral's template moves the system message to the last user message (and drops
-    it once a tool turn follows), so there it is folded into the first observation."""
+    it is empty. A template without a system role (probed: chat_probe.supports) gets the fold,
+    announced once. Mistral's template moves the system message to the last user message (and
+    drops it once a tool turn follows), so there it is folded into the first observation."""
     user = {"role": "user", "content": observation}
     if not system_prompt:
         return [user]
+    folded = [{"role": "user", "content": f"{system_prompt}\n\n{observation}"}]
+    if not supports(tokenizer, "system"):
+        return folded
     messages = [{"role": "system", "content": system_prompt}, user]
-    try:
-        start = _render(tokenizer, messages, True, tools)
-        after = _render(
-            tokenizer, [*messages, {"role": "assistant", "content": _DUMMY_ASSISTANT}], False, tools
-        )
-        supported = system_prompt in start and system_prompt in after[: len(start)]
-    except Exception:  # templates without a system role raise (e.g. jinja raise_exception)
-        supported = False
-    if supported:
+    start = _render(tokenizer, messages, True, tools)
+    after = _render(
+        tokenizer, [*messages, {"role": "assistant", "content": _DUMMY_ASSISTANT}], False, tools
+    )
+    if system_prompt in start and system_prompt in after[: len(start)]:
         return messages
-    return [{"role": "user", "content": f"{system_prompt}\n\n{observation}"}]
+    return folded

@@ -8,9 +8,10 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
   is decoded only to hand it to the env. Observations are appended as the chat template's delta
   against a fixed dummy conversation (SkyRL's approach; rollouts/chat_delta.py), tokenised on their
   own, and masked out.
-- The sampled EOS is the assistant's closing marker when the template closes turns with the EOS
-  text (Qwen's <|im_end|>); otherwise (stop string, per-turn budget hit) the full closing text is
-  appended as env tokens.
+- The sampled end of turn (any stop id: the generation config's EOS ids and the tokenizer's,
+  policies/text/stop_ids.py) is the assistant's closing marker when the template closes turns with
+  its text (Qwen's <|im_end|>, Gemma's <end_of_turn>, Phi-3's <|end|>); otherwise (stop string,
+  per-turn budget hit) the full closing text is appended as env tokens.
 - Context budget: a turn is only started when its worst case (context + max_turn_tokens) fits in
   max_total_tokens; an episode that cannot fit another turn ends cleanly as truncated. No
   observation is appended after the last turn (those tokens would be masked and never attended).
@@ -22,9 +23,11 @@ StarPO (arXiv 2504.20073) and SkyRL, with GiGPO's (arXiv 2505.10978) per-step re
   runs ALL of them in order (the env is not stepped; the turn's reward is 0, minus the invalid
   penalty when a call failed) and their results come back as `tool` messages rendered by the
   template; a turn without calls goes to the env. The schemas (the ToolSet's and an env's own
-  `tools` attribute) are passed as `tools=` to the chat template when it has a tools branch, else
-  listed as plain text in the system prompt. An env marks an observation that is a tool's output
-  with info["observation_role"] = "tool" (and info["tool_name"]); it is then a `tool` message too.
+  `tools` attribute) are passed as `tools=` to the chat template when it renders them (probed,
+  rollouts/chat_probe.py), else listed as plain text in the system prompt; a template without a
+  tool role gets the results as a user message (announced once). An env marks an observation
+  that is a tool's output with info["observation_role"] = "tool" (and info["tool_name"]); it is
+  then a `tool` message too.
   GiGPO anchors of tool turns are (env anchor, tool results so far).
 - Observations and tool results are made valid UTF-8 before encoding (lone surrogates -> "?").
 - Tree rollouts (rollout.tree, `tree=`): each group is sampled as a tree whose nodes are turns,
@@ -154,6 +157,7 @@ def collect_episodes(
     if not (math.isfinite(invalid_penalty) and invalid_penalty >= 0):
         raise ValueError(f"invalid_penalty must be finite and >= 0, got {invalid_penalty}")
     tok, turn_params = policy.tokenizer, replace(params, max_new_tokens=turn_budget)
+    stops = set(policy.stop_ids)  # the ids that end a turn (policies/text/stop_ids.py)
     limit = max_total_tokens if max_total_tokens is not None else math.inf
     runner = runner if runner is not None else VectorRunner("sequential")
     fmt = resolve_tool_format(tool_format, tok)
@@ -247,7 +251,7 @@ def collect_episodes(
                 if turn + 1 == max_turns:
                     e.end = "max_turns"
                     continue
-                eos = ids[-1] == tok.eos_token_id
+                eos = ids[-1] if ids[-1] in stops else False  # the sampled end of turn
                 if new[0]["role"] == "user":
                     delta = observation_delta_ids(tok, new[0]["content"], eos, tools)
                 else:

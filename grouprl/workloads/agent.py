@@ -32,6 +32,7 @@ from grouprl.envs.vector import VectorRunner
 from grouprl.objectives.gigpo import agent_advantages, keep_top_groups_by_std
 from grouprl.objectives.tree import tree_from_paths, tree_token_advantages
 from grouprl.policies.text.engines.base import SamplingParams
+from grouprl.rollouts.chat_probe import supports
 from grouprl.rollouts.multi_turn import collect_episodes
 from grouprl.runtime.env_guard import EnvGuard
 from grouprl.runtime.throughput import StepWork
@@ -54,6 +55,12 @@ class AgentWorkload:
     def __init__(self, parts: Parts) -> None:
         self.cfg, self.policy, self.dist = parts.cfg, parts.policy, parts.dist
         self.params = sampling_params(parts.cfg)  # the environment gives the rewards
+        if self.cfg.agent.tools:
+            # what tool episodes render, probed now: a fallback is announced (or refused under
+            # model.chat_fallback: error) before the run directory is touched, not at a first call
+            tok = getattr(self.policy, "policy", self.policy).tokenizer
+            for capability in ("tools", "tool_role"):
+                supports(tok, capability)
 
     @classmethod
     def build_policy(cls, cfg: Any, device: torch.device) -> Any:

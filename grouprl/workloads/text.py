@@ -20,6 +20,7 @@ from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.text.engines.sync import engine_mismatch
 from grouprl.policies.text.teacher import TeacherModel
 from grouprl.rollouts.batching import single_pass
+from grouprl.rollouts.chat_probe import set_chat_fallback
 from grouprl.rollouts.seeds import sample_seed
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
@@ -59,6 +60,7 @@ def causal_lm_policy(
             m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
             **settings,
         )  # fmt: skip
+    set_chat_fallback(policy.tokenizer, m.chat_fallback)  # what a template lacking a role gets
     return policy.to(device)
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 import grouprl.policies.vision.judge  # noqa: F401  (registers the vlm_judge reward)
 from grouprl.envs.tasks.multimodal import prompt_for_log, prompt_images
 from grouprl.policies.vision.policy import VisionLMPolicy
+from grouprl.rollouts.chat_probe import set_chat_fallback
 from grouprl.rollouts.single_turn import collect
 from grouprl.runtime.build import build_rewards
 from grouprl.runtime.reward_guard import drain_reward_metrics
@@ -63,6 +64,7 @@ def vision_policy(cfg: Any, device: torch.device) -> VisionLMPolicy:
         need_reference=cfg.algorithm.kl_coef > 0,
         engine=VISION_ENGINES[cfg.rollout.engine](cfg, device),
     )
+    set_chat_fallback(policy.tokenizer, m.chat_fallback)  # what a template lacking a role gets
     return policy.to(device)
 
 

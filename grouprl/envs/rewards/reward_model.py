@@ -5,7 +5,8 @@ Source: the RM recipe of InstructGPT (Ouyang et al., arXiv 2203.02155) as the hu
 it: `AutoModelForSequenceClassification` with num_labels 1, whose score is the logit at the last
 non-pad token of the conversation rendered with the RM tokenizer's chat template.
 Rendering: with a chat template, [prompt messages..., {"role": "assistant", "content": completion}]
-(a string prompt becomes one user message); without one, prompt text + completion text.
+(a string prompt becomes one user message; a system message the template cannot render is folded
+into the first user message, rollouts/chat_probe.py); without one, prompt text + completion text.
 Deviations: the value is `scale * logit + shift` (defaults 1, 0: the raw logit); a text longer than
 `max_length` tokens is truncated from the LEFT (the end of the completion, which the score reads,
 is kept) and a warning names the option once; the score is read at the last ATTENDED position
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from grouprl.envs.rewards.loading import completion_text
+from grouprl.rollouts.chat_probe import CHAT_FALLBACKS, adapt_messages, set_chat_fallback
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,14 +61,16 @@ def load_reward_model(model: str, device: str, dtype: Dtype) -> tuple[Any, Any]:
 
 def render(tok: Any, prompt: Any, completion: Any) -> str:
     """The text the RM reads: its chat template over [prompt messages..., assistant completion],
-    or prompt + completion when the tokenizer has no template."""
+    or prompt + completion when the tokenizer has no template. A system message the RM's template
+    cannot render is folded into the first user message (rollouts/chat_probe.py; announced once,
+    or refused under the option chat_fallback: error)."""
     text = completion_text(completion)
     if getattr(tok, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if prompt is None:
             messages = []
         messages = [*messages, {"role": "assistant", "content": text}]
-        return tok.apply_chat_template(messages, tokenize=False)
+        return tok.apply_chat_template(adapt_messages(tok, messages), tokenize=False)
     if prompt is None:
         return text
     if not isinstance(prompt, str):
@@ -83,6 +87,7 @@ def reward_model(
     padding_side: Literal["right", "left"] | None = None,
     scale: float = 1.0,
     shift: float = 0.0,
+    chat_fallback: Literal["announce", "error"] = "announce",
 ):
     """Reward-model score (sequence classifier, one logit) of prompt + completion.
 
@@ -95,6 +100,8 @@ def reward_model(
     padding_side: "right" | "left" (default: the tokenizer's); scores do not depend on it
     scale: multiply the logit (default 1.0)
     shift: add after scaling (default 0.0)
+    chat_fallback: "announce" | "error": when the RM's chat template has no system role, fold
+        the system text into the first user message with one warning, or refuse (default announce)
     """
     if dtype not in _DTYPES:
         raise ValueError(
@@ -103,7 +110,13 @@ def reward_model(
     if batch_size < 1 or max_length < 2:
         raise ValueError("reward 'reward_model': batch_size >= 1 and max_length >= 2 are needed")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if chat_fallback not in CHAT_FALLBACKS:
+        raise ValueError(
+            f"reward 'reward_model': chat_fallback must be one of {list(CHAT_FALLBACKS)}, "
+            f"got {chat_fallback!r}"
+        )
     net, tok = load_reward_model(model, dev, dtype)
+    set_chat_fallback(tok, chat_fallback, "the reward_model option chat_fallback")
     warned = [False]
 
     @torch.no_grad()

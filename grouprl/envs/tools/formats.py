@@ -134,18 +134,21 @@ def text_outside_calls(text: str, fmt: str) -> str:
 
 
 def detect_tool_format(tokenizer: Any) -> ToolFormat:
-    """The call format a chat template teaches: [TOOL_CALLS] -> mistral, <tool_call> -> hermes,
-    Llama 3's ipython / "parameters" JSON -> llama3_json; no template (or none of these): hermes,
-    the format of the plain-text tool listing (tools.tools_system_prompt)."""
-    tmpl = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if isinstance(tmpl, dict):
-        tmpl = tmpl.get("tool_use") or tmpl.get("default")
-    tmpl = tmpl if isinstance(tmpl, str) else ""
-    if "[TOOL_CALLS]" in tmpl:
-        return "mistral"
-    if "<tool_call>" in tmpl:
+    """The call format a chat template writes an assistant's tool call in, read off the render of
+    a probe call (rollouts/chat_probe.py), not off the template's text: [TOOL_CALLS] -> mistral,
+    <tool_call> -> hermes, {"name": ..., "parameters": ...} -> llama3_json; no template, or one
+    that does not render calls: hermes, the format of the plain-text tool listing
+    (tools.tools_system_prompt)."""
+    if tokenizer is None:
         return "hermes"
-    if "ipython" in tmpl and '"parameters": ' in tmpl:
+    from grouprl.rollouts.chat_probe import PROBE_TOOL, probe_chat
+
+    text = probe_chat(tokenizer).call_text
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<tool_call>" in text:
+        return "hermes"
+    if f'"name": "{PROBE_TOOL}", "parameters": ' in text:
         return "llama3_json"
     return "hermes"
 

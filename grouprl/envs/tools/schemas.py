@@ -9,8 +9,9 @@ importable from `grouprl.envs.tools`.
   - `ToolSet(functions)`: runs parsed tool calls after checking names and argument types against
     the schemas; every outcome is counted in `stats` and every failure becomes an "Error: ..." text
     the model sees as the tool response (the run goes on).
-  - `tools_system_prompt(toolset, tokenizer)`: "" when the chat template renders `tools=` itself,
-    else a plain-text tool listing plus the call format.
+  - `tools_system_prompt(toolset, tokenizer)`: "" when the chat template renders `tools=` itself
+    (probed by rendering, rollouts/chat_probe.py), else a plain-text tool listing plus the call
+    format.
   - `load_tools(specs)`: the functions named "module:function" or "path/file.py:function" (config
     `agent.tools`), resolved from the working directory too.
   - `valid_utf8(text)`: text that every tokenizer can encode (lone surrogates become "?").
@@ -229,13 +230,15 @@ def load_tools(specs: list[str]) -> list[Callable[..., Any]]:
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
-    """True when the tokenizer's chat template renders a `tools=` argument (mentions `tools`)."""
-    tmpl = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if isinstance(
-        tmpl, dict
-    ):  # named templates: transformers picks "tool_use" when tools are given
-        tmpl = tmpl.get("tool_use") or tmpl.get("default")
-    return isinstance(tmpl, str) and re.search(r"\btools\b", tmpl) is not None
+    """True when the tokenizer's chat template renders tools passed as `tools=`, learned by
+    rendering a probe schema (rollouts/chat_probe.py), not by reading the template's text; when
+    it does not, the plain-text listing fallback is announced once (or refused under
+    model.chat_fallback: error). No tokenizer: False."""
+    if tokenizer is None:
+        return False
+    from grouprl.rollouts.chat_probe import supports
+
+    return supports(tokenizer, "tools")
 
 
 def tools_system_prompt(toolset: ToolSet, tokenizer: Any = None, fmt: str = "hermes") -> str:

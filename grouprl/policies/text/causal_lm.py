@@ -37,6 +37,7 @@ from grouprl.policies.text.logprobs import (
 from grouprl.policies.text.lora import LoRASettings, add_lora
 from grouprl.policies.text.lora import lora_settings as _lora_settings
 from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
+from grouprl.policies.text.stop_ids import model_stop_ids
 from grouprl.rollouts.seeds import group_seeds, group_sizes
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
 
@@ -110,6 +111,8 @@ class CausalLMPolicy:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.model = model
+        # the ids that end a turn: the generation config's EOS ids, then the tokenizer's
+        self.stop_ids: list[int] = model_stop_ids(model, tokenizer)
         self.logprob_chunk_size = logprob_chunk_size
         self.logprob_path = logprob_path  # logprobs.LOGPROB_PATHS: "fast" or "plain"
         if engine is None or isinstance(engine, str):  # a LOCAL_ENGINES name: on this model

@@ -1,6 +1,8 @@
 """Loading a causal LM and its tokenizer (hub id or local save_pretrained folder), and turning
 prompts (plain strings or chat messages) into token ids: the text policy's input side
-(causal_lm.py)."""
+(causal_lm.py). Chat messages go through the chat-template probe's fallbacks first
+(rollouts/chat_probe.py: a system message the template cannot render is folded into the first user
+message)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from grouprl.rollouts.chat_probe import adapt_messages
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {
@@ -77,7 +81,11 @@ def encode_prompts(
                     "conversational prompts (lists of {'role', 'content'}) need a tokenizer "
                     "with a chat template, and this tokenizer has none"
                 )
-            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            # a template without a system role gets the system text in the first user message
+            # (rollouts/chat_probe.py: probed, announced once, or refused by model.chat_fallback)
+            text = tok.apply_chat_template(
+                adapt_messages(tok, prompt), add_generation_prompt=True, tokenize=False
+            )
         else:
             raise TypeError(
                 f"prompt {i} must be a string or a list of {{'role', 'content'}} dicts, "

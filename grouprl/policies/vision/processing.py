@@ -26,6 +26,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from grouprl.rollouts.chat_probe import adapt_messages
+
 
 @dataclass(eq=False)
 class VisionPrompt:
@@ -167,8 +169,8 @@ class VisionProcessor:
         if not getattr(tok, "chat_template", None):
             raise ValueError("chat prompts need a chat template; this model folder has none")
         images = [im for m in prompt for im in _image_items(m.get("content"))]
-        text = tok.apply_chat_template(
-            _placeholders(prompt), add_generation_prompt=True, tokenize=False
+        text = tok.apply_chat_template(  # system text folded where the template has no role
+            _placeholders(adapt_messages(tok, prompt)), add_generation_prompt=True, tokenize=False
         )
         ids = tok(text, add_special_tokens=False).input_ids
         bos = tok.bos_token_id

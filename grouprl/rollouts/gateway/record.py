@@ -9,9 +9,12 @@ so the episode is one token sequence the policy's own samples sit in. A call tha
 the previous one that way (the program rewrote or dropped history, changed the tools, or mixed
 /v1/completions and /v1/chat/completions) is rendered afresh and starts a new *segment*; the
 workload then splits the episode into one row per segment or refuses it (gateway.on_rewrite).
-Tools: the request's schemas go to the chat template as `tools=` when it has a tools branch, else
-(as in the multi-turn rollouts) a plain-text listing of them and of the call format is appended to
-the system message of a fresh rendering (a system message is put first when there is none).
+Tools: the request's schemas go to the chat template as `tools=` when it renders them (probed,
+rollouts/chat_probe.py), else (as in the multi-turn rollouts) a plain-text listing of them and of
+the call format is appended to the system message of a fresh rendering (a system message is put
+first when there is none). A template without a system or tool role gets the probe's fallbacks
+(system text folded into the first user message, tool results as a user message). A turn that
+ended with any of the policy's stop ids is closed (its closing text is not appended again).
 /v1/completions calls extend the same way on text: the new prompt starts with the previous prompt
 text + the returned text; the rest is tokenised alone and appended.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from grouprl.envs.tools.schemas import template_supports_tools, tools_listing
 from grouprl.rollouts.chat_delta import messages_delta_ids, prompt_ids
+from grouprl.rollouts.chat_probe import adapt_messages
 
 
 class GatewayError(Exception):
@@ -214,9 +218,13 @@ def chat_prompt(
     messages: list[dict],
     tools: list[dict] | None,
     tool_format: str = "hermes",
+    stop_ids: list[int] | None = None,
 ) -> tuple[list[int], int]:
     """(prompt ids, segment) of a chat call (see the module docstring). tool_format: the call
-    format the plain-text tool listing teaches (templates without a tools branch)."""
+    format the plain-text tool listing teaches (templates without a tools branch) and that an
+    assistant's tool calls are written in where the template does not render them; stop_ids: the
+    ids that end a turn (the policy's, policies/text/stop_ids.py; None: the tokenizer's EOS)."""
+    stops = set(stop_ids) if stop_ids is not None else {tokenizer.eos_token_id}
     template_tools = tools if tools and template_supports_tools(tokenizer) else None
     prev = log.calls[-1] if log.calls else None
     if prev is not None and prev.kind == "chat" and prev.tools == tools:
@@ -226,12 +234,16 @@ def chat_prompt(
             and all(_same(a, b) for a, b in zip(messages[:n], prev.messages))
             and _same(messages[n], prev.message)
         ):
-            ended = bool(prev.completion_ids) and prev.completion_ids[-1] == tokenizer.eos_token_id
+            last = prev.completion_ids[-1] if prev.completion_ids else None
+            ended = last if last in stops else False  # the sampled end of turn
             delta = messages_delta_ids(tokenizer, messages[n + 1 :], ended, template_tools)
             return prev.prompt_ids + prev.completion_ids + delta, prev.segment
     segment = prev.segment + 1 if prev is not None else 0
     if tools and template_tools is None:
         messages = _with_tool_listing(messages, tools_listing(tools, tokenizer, tool_format))
+    # the template's missing roles by the stated fallbacks (rollouts/chat_probe.py), calls as text
+    # in this gateway's call format
+    messages = adapt_messages(tokenizer, messages, tool_format)
     return prompt_ids(tokenizer, messages, template_tools), segment
 
 

@@ -175,8 +175,9 @@ class Gateway:
             self._still_open(log)
             try:
                 ids, segment = chat_prompt(
-                    self.policy.tokenizer, log, messages, tools, self.tool_format
-                )
+                    self.policy.tokenizer, log, messages, tools, self.tool_format,
+                    self.policy.stop_ids,
+                )  # fmt: skip
             except (ValueError, TemplateError) as exc:  # the template refuses these messages
                 raise GatewayError(
                     400, f"the chat template cannot render these messages: {exc}"

@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from grouprl.policies.text.stop_ids import stop_ids
+
 
 @dataclass
 class SamplingParams:
@@ -126,13 +128,9 @@ def unwrap_peft(model: Any) -> Any:
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids from the model's generation config (may be several, e.g. chat models) or tokenizer."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("neither the model's generation_config nor the tokenizer has an EOS id")
-    return [eos] if isinstance(eos, int) else list(eos)
+    """Stop ids of the model: its generation config's EOS ids, then the tokenizer's EOS when the
+    generation config does not list it (policies/text/stop_ids.py, one rule for every engine)."""
+    return stop_ids(getattr(model, "generation_config", None), tokenizer)
 
 
 class InProcessEngine(ABC):
