@@ -190,11 +190,14 @@ def _rows(tok) -> TokenBatch:
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
-def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family):
+def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family, capsys):
     from peft import PeftModel
 
     replica = build(family, tmp_path / family)
     train(_cfg(tmp_path, replica))
+    said = capsys.readouterr().out
+    assert said.count("LoRA targets: modules model.layers.*.self_attn.k_proj x2") == 1  # once
+    assert "parameters model.layers.*.mlp.experts.down_proj x2" in said
     run = tmp_path / "run"
     ckpt = CheckpointManager(run).latest()
     assert ckpt is not None  # the first save used to crash on the expert adapters
@@ -230,3 +233,23 @@ def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family):
     # resume: the run goes on from the checkpoint to step 2 and saves again
     train(_cfg(tmp_path, replica, "train.steps=2", "run.resume=true"))
     assert CheckpointManager.load(CheckpointManager(run).latest())["step"] == 2
+
+
+def test_flow_targets_checked_against_the_tree_and_saved(tmp_path):
+    from grouprl.policies.flow.policy import FlowPolicy
+    from grouprl.policies.flow.tiny import tiny_sd3_transformer
+
+    with pytest.raises(ValueError, match=r"\['to_qq'\] match no linear layer.*to_q"):
+        FlowPolicy(tiny_sd3_transformer(), latent_shape=(4, 8, 8),
+                   lora={"target_modules": ["to_qq"]})  # fmt: skip
+    with pytest.raises(ValueError, match="target_parameters.*flow / unet LoRA adapts modules"):
+        FlowPolicy(tiny_sd3_transformer(), latent_shape=(4, 8, 8),
+                   lora={"target_parameters": ["proj_out.weight"]})  # fmt: skip
+    with pytest.warns(UserWarning, match=r"\['to_qq'\] match no linear layer"):  # the rest do
+        pol = FlowPolicy(tiny_sd3_transformer(), latent_shape=(4, 8, 8),
+                         lora={"r": 2, "alpha": 4, "target_modules": ["to_q", "to_qq"]})  # fmt: skip
+    adapted = {n for n, m in pol.model.named_modules() if hasattr(m, "lora_A")}
+    assert set(pol.lora_targets.modules) == adapted and adapted
+    assert all(n.endswith(".to_q") for n in adapted)
+    pol.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "lora_targets.json").read_text()) == pol.lora_targets.summary()

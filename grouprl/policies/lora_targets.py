@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,9 @@ def resolve_targets(
     """The modules and parameters `settings` (target_modules, target_parameters, dropout) names
     in `model` (a transformers model, not yet peft-wrapped), limited to `scope` (a sub-module:
     a VLM's language model); one clear error when an entry matches nothing. every_entry=False
-    (a family's default list, written for all its variants): one matching entry is enough."""
+    (diffusers denoisers, whose lists are written for all variants of a family: SD3's last
+    block has no to_add_out): one matching entry is enough, the others are named in a
+    warning."""
     linears, head = linear_layers(model, scope)
     experts = expert_parameters(model, scope)
     wanted = settings.target_modules
@@ -165,6 +168,12 @@ def resolve_targets(
                 f"lora.target_modules {missing} match no linear layer of "
                 f"{type(model).__name__}; its linear layers are named: {_leaf_names(pool)} "
                 f"(or use {ALL_LINEAR!r}){stacked}"
+            )
+        if missing:
+            warnings.warn(
+                f"lora.target_modules {missing} match no linear layer of {type(model).__name__} "
+                "(the other entries do)",
+                stacklevel=2,
             )
         modules = [n for n in pool if any(_matches(n, e) for e in wanted)]
     want_p = settings.target_parameters

@@ -1,9 +1,10 @@
 """LoRA (arXiv 2106.09685, peft) on flow / diffusion denoisers, and files diffusers pipelines load.
 
-- `add_lora(model, settings, family)`: peft LoRA layers injected in place into the attention
-  projections (the family's default targets unless the settings name others; each name must
-  match a linear layer of the model, and the adapted modules are returned as LoRATargets, which
-  the run logs and saves as lora_targets.json; diffusers models go
+- `add_lora(model, settings)`: peft LoRA layers injected in place into the attention
+  projections (the family's default targets unless the settings name others; one name at
+  least must match a linear layer of the model, the others are named in a warning; the adapted
+  modules are returned as LoRATargets, which the run logs and saves as lora_targets.json;
+  diffusers models go
   through their own `add_adapter`, so `pipe.transformer.disable_adapters()` etc. keep working).
   Flow-GRPO's init: gaussian A, zero B, so the policy equals the base model at step 0. Only the
   adapter weights require grad.
@@ -65,14 +66,13 @@ def _peft_config(settings: LoRASettings) -> Any:
     )
 
 
-def add_lora(
-    model: torch.nn.Module, settings: LoRASettings, family: Family | None = None
-) -> LoRATargets:
+def add_lora(model: torch.nn.Module, settings: LoRASettings) -> LoRATargets:
     """Inject a fresh adapter in place; the base weights are frozen, the adapter trainable.
-    Returns the adapted modules: every target_modules entry the user gave must match a linear
-    layer of the model (lora_targets.resolve_targets' rule; of the family's default list, written
-    for all its variants, at least one), checked before anything is injected; flow / unet take no
-    parameter targets (their denoisers hold no stacked expert weights)."""
+    Returns the adapted modules, resolved before anything is injected (lora_targets'
+    suffix rule; peft's semantics kept: target lists are written for every variant of a family,
+    so one entry must match a linear layer and the entries that match none are named in a
+    warning); flow / unet take no parameter targets (their denoisers hold no stacked expert
+    weights)."""
     from peft import inject_adapter_in_model
 
     if not isinstance(settings.target_parameters, str):
@@ -80,9 +80,8 @@ def add_lora(
             f"lora.target_parameters {settings.target_parameters} cannot apply to "
             f"{type(model).__name__}: flow / unet LoRA adapts modules only (lora.target_modules)"
         )
-    default = family is not None and list(settings.target_modules) == list(family.lora_targets)
     targets = resolve_targets(
-        model, dataclasses.replace(settings, target_parameters="none"), every_entry=not default
+        model, dataclasses.replace(settings, target_parameters="none"), every_entry=False
     )
     config = _peft_config(settings)
     try:

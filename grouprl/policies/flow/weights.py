@@ -37,7 +37,7 @@ class FlowWeights:
     def __init__(self, model: torch.nn.Module, family: Family, lora: LoRASettings | None) -> None:
         self.model, self.family, self.lora = model, family, lora
         # the adapted modules, resolved from the module tree: logged and saved with the run
-        self.lora_targets = None if lora is None else flow_lora.add_lora(model, lora, family)
+        self.lora_targets = None if lora is None else flow_lora.add_lora(model, lora)
         master_weights(model)  # trainable weights (and so AdamW's moments) in float32
         self._ref_model: Any = None
         self._old: dict[str, Tensor] | None = None
