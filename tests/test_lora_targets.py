@@ -253,3 +253,26 @@ def test_flow_targets_checked_against_the_tree_and_saved(tmp_path):
     assert all(n.endswith(".to_q") for n in adapted)
     pol.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "lora_targets.json").read_text()) == pol.lora_targets.summary()
+
+
+def test_peft_name_conversion_is_refused_by_name_before_any_step():
+    """peft 0.21 rewrites a DeepSeek-V3 dense layer's gate_proj / up_proj / down_proj (real
+    nn.Linear) into expert-stack targets (its v4 -> v5 MoE map): grouprl names what would go
+    unadapted instead of training another set; a list without those layers works."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV3Config(
+        vocab_size=len(char_tokenizer()), hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"not adapted \['model.layers.0.mlp.down_proj'.*lora.t"):
+        CausalLMPolicy(tf.DeepseekV3ForCausalLM(cfg), char_tokenizer(), lora={"r": 2})
+    attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    policy = CausalLMPolicy(
+        tf.DeepseekV3ForCausalLM(cfg), char_tokenizer(), lora={"r": 2, "target_modules": attention}
+    )
+    assert _trainable_leaves(policy) == set(attention) | {"experts"}
