@@ -270,6 +270,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     stack.callback(close_rewards, reward_fns)  # isolated rewards: their workers and descendants end
     eval_examples = task.eval[: cfg.eval.max_examples] if cfg.eval.max_examples else task.eval
     policy = given.policy(cfg, device) if given.policy else build_policy(cfg, device)
+    lora_targets = getattr(policy, "lora_targets", None)  # resolved from the model: logged, saved
     if cfg.train.disable_dropout:
         _disable_dropout(cfg, policy)
     optimizer, scheduler = build_optimizer(cfg, policy)
@@ -281,7 +282,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
     sampler = build_sampler(cfg, task.train)
     hooks = SignalHooks(cfg.rollout.hooks)  # hint / replay for groups without signal
     if dist.is_main:  # everything is built: only now is the run directory touched
-        claim_run_dir(cfg, changes)
+        claim_run_dir(cfg, changes, lora_targets=lora_targets)
     dist.barrier()
     ckpts = dist.checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last)  # main writes
 

@@ -21,10 +21,17 @@ CLASSES = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Tokenizer"),
     "gemma2": ("Gemma2ForCausalLM", "GemmaTokenizer"),
     "phi3": ("Phi3ForCausalLM", "LlamaTokenizer"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen2Tokenizer"),
+    "mixtral": ("MixtralForCausalLM", "LlamaTokenizer"),
 }
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json"}  # fmt: skip
-VOCAB_FILES = {"qwen2.5", "qwen3", "gpt2"}  # the families whose hub folders ship vocab / merges
+VOCAB_FILES = {
+    "qwen2.5",
+    "qwen3",
+    "qwen3-moe",
+    "gpt2",
+}  # the families whose hub folders ship vocab / merges
 TOOLS = [
     {
         "type": "function",

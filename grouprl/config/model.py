@@ -14,12 +14,34 @@ from grouprl.config.section import Section
 
 
 class LoRAConfig(Section):
+    """LoRA adapters (peft). Targets are resolved from the model's module tree when the policy
+    is built, before any step; the resolved list is logged once and written to
+    lora_targets.json next to the resolved config and in every checkpoint's model folder."""
+
     r: int = Field(16, ge=1, description="LoRA rank.")
     alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="Module names that get adapters.",
+    dropout: float = Field(
+        0.0, ge=0, lt=1,
+        description="Dropout on the LoRA input (must be 0 when parameters are targeted: peft's "
+        "parameter LoRA has no input dropout).",
+    )  # fmt: skip
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="all-linear: every linear layer (nn.Linear / Conv1D) of the language model "
+        "except the output head, as peft resolves it (fused qkv_proj / gate_up_proj included; "
+        "a VLM's vision tower and projector excluded). Or module names, peft's rule: an entry "
+        "matches a module whose dotted path is the entry or ends with '.' + entry; an entry "
+        "that matches no linear layer is an error listing the linear layers' names. "
+        "flow / unet: the family's attention projections unless set.",
+    )
+    target_parameters: Literal["experts", "none"] | list[str] = Field(
+        "experts",
+        description="nn.Parameters that get LoRA through peft's parameter targeting. experts: "
+        "every 3-D weight of the language model outside torch.nn layers (MoE expert stacks "
+        "such as mlp.experts.gate_up_proj / down_proj [E, out, in]; none in dense models); "
+        "none: no parameter; or parameter names (suffix rule as target_modules), e.g. a "
+        "router's mlp.gate.weight (routers are not adapted unless named here). Merged saves "
+        "keep the original weight names. causal_lm / vlm only.",
     )
 
 

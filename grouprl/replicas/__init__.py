@@ -8,8 +8,8 @@ name, built in code and saved in the folder layout of the hub download (for test
 
 `REPLICAS` maps a name to its builder `fn(folder) -> folder`; each family's module docstring names
 the real model it copies and the settings copied (diffusion.py: image / video pipelines and the
-CLIP reward models; text.py: Qwen2.5, Qwen3, Llama 3.2, Mistral v0.3 and GPT-2 with their chat
-templates, chat_templates.py; vision.py: the image-text-to-text families).
+CLIP reward models; text.py: Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.2, Mistral v0.3, Mixtral and
+GPT-2 with their chat templates, chat_templates.py; vision.py: the image-text-to-text families).
 """
 
 from __future__ import annotations

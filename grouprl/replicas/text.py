@@ -18,6 +18,8 @@ come first, as in Mistral's own vocabulary).
   gpt2     GPT2LMHeadModel with GPT-2's dropout 0.1 (resid / embd / attn), no chat template
   gemma2   Gemma2ForCausalLM (gemma-2-it): soft-capping, <end_of_turn>, no system role (GEMMA2)
   phi3     Phi3ForCausalLM (Phi-3-mini-4k-instruct): fused qkv / gate_up, <|end|>, no tool role
+  qwen3-moe  Qwen3MoeForCausalLM (Qwen3-30B-A3B: 4 experts, top 2), Qwen3's tokenizer and template
+  mixtral  MixtralForCausalLM (Mixtral-8x7B-Instruct: 4 experts, top 2), the mistral tokenizer
 
 Deviations (all of size, none of kind): tiny vocabularies (so ids of ordinary text differ from the
 real ones, special tokens keep their order and their place after the vocabulary), 2 layers;
@@ -575,6 +577,54 @@ def build_phi3(out: Path | str) -> Path:
         bos_token_id=1, eos_token_id=[eot, ids["<|assistant|>"], ids["<|end|>"]], pad_token_id=eot
     )
     return save_replica(model, tok, gen, out, torch.bfloat16)
+_TINY_MOE = dict(num_experts_per_tok=2, output_router_logits=False)  # 4 experts, top 2
+
+
+def build_qwen3_moe(out: Path | str) -> Path:
+    """Qwen3-30B-A3B (Qwen3MoeForCausalLM: every layer sparse, experts stacked as 3-D
+    parameters in transformers 5, normalised top-k routing, untied head) with Qwen3's tokenizer
+    and thinking template."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out)
+    tok, vocab, merges = qwen_tokenizer(_QWEN3_ADDED, TEMPLATES["qwen3"])
+    eot, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tok), max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, head_dim=32, hidden_act="silu", tie_word_embeddings=False,
+        use_sliding_window=False, max_window_layers=2, attention_bias=False,
+        attention_dropout=0.0, decoder_sparse_step=1, mlp_only_layers=[], num_experts=4,
+        moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001,
+        bos_token_id=eot, eos_token_id=eos, dtype="bfloat16", **_TINY_MOE, **TINY_DECODER,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = Qwen3MoeForCausalLM(cfg)
+    gen = dict(
+        bos_token_id=eot, eos_token_id=[eos, eot], pad_token_id=eot, do_sample=True,
+        temperature=0.6, top_p=0.95, top_k=20,
+    )  # fmt: skip
+    save_replica(model, tok, gen, out, torch.bfloat16)
+    write_vocab_files(out, vocab, merges)
+    return out
+
+
+def build_mixtral(out: Path | str) -> Path:
+    """Mixtral-8x7B-Instruct (MixtralForCausalLM: every layer sparse, experts stacked as 3-D
+    parameters in transformers 5, no sliding window, untied head) with the Mistral tokenizer
+    and template of the mistral replica (v0.3's control tokens; Mixtral v0.1 ships v1's)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    out = Path(out)
+    tok = _mistral_tokenizer()
+    cfg = MixtralConfig(
+        vocab_size=len(tok), max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None, tie_word_embeddings=False,
+        head_dim=32, num_local_experts=4, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
+        bos_token_id=1, eos_token_id=2, dtype="bfloat16", **_TINY_MOE, **TINY_DECODER,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = MixtralForCausalLM(cfg)
+    return save_replica(model, tok, dict(bos_token_id=1, eos_token_id=2), out, torch.bfloat16)
 
 
 TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
@@ -586,6 +636,8 @@ TEXT_REPLICAS: dict[str, Callable[[Path], Path]] = {
     "qwen2.5-rm": build_qwen25_rm,  # a reward model (sequence classifier), not a policy
     "gemma2": build_gemma2,
     "phi3": build_phi3,
+    "qwen3-moe": build_qwen3_moe,
+    "mixtral": build_mixtral,
 }
 
 

@@ -40,6 +40,7 @@ from grouprl.config.loading import (
     validate,
 )
 from grouprl.policies.base import OLD  # state_dict prefix of old / EMA weights
+from grouprl.policies.lora_targets import write_targets
 from grouprl.runtime.checkpoint import CheckpointManager, newest_intact, restore_rng
 from grouprl.runtime.user_inputs import is_python_object, python_objects_in
 
@@ -123,9 +124,12 @@ def config_changes(cfg: Config) -> dict[str, tuple[Any, Any]]:
     }
 
 
-def claim_run_dir(cfg: Config, changes: dict[str, tuple[Any, Any]], say=print) -> None:
+def claim_run_dir(
+    cfg: Config, changes: dict[str, tuple[Any, Any]], say=print, lora_targets=None
+) -> None:
     """After everything is built: delete the old run (run.overwrite), record config changes
-    (resume), write config.yaml and config.resolved.yaml."""
+    (resume), write config.yaml and config.resolved.yaml; under LoRA, say the resolved targets
+    once and write them to lora_targets.json (policies/lora_targets.py)."""
     run_dir = cfg.run_dir
     if not cfg.run.resume and cfg.run.overwrite and _holds_run(run_dir):
         for name in ("metrics.jsonl", "samples.jsonl", "samples.md", "curves.png", CHANGES_FILE):
@@ -139,6 +143,9 @@ def claim_run_dir(cfg: Config, changes: dict[str, tuple[Any, Any]], say=print) -
         with open(run_dir / CHANGES_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=str) + "\n")
     save_run_config(cfg, run_dir)
+    if lora_targets is not None:
+        say(lora_targets.describe())
+        write_targets(lora_targets, run_dir)
 
 
 def save_checkpoint(

@@ -1,7 +1,10 @@
 """LoRA (arXiv 2106.09685, peft) on flow / diffusion denoisers, and files diffusers pipelines load.
 
-- `add_lora(model, settings, family)`: peft LoRA layers injected in place into the attention
-  projections (the family's default targets unless the settings name others; diffusers models go
+- `add_lora(model, settings)`: peft LoRA layers injected in place into the attention
+  projections (the family's default targets unless the settings name others; one name at
+  least must match a linear layer of the model, the others are named in a warning; the adapted
+  modules are returned as LoRATargets, which the run logs and saves as lora_targets.json;
+  diffusers models go
   through their own `add_adapter`, so `pipe.transformer.disable_adapters()` etc. keep working).
   Flow-GRPO's init: gaussian A, zero B, so the policy equals the base model at step 0. Only the
   adapter weights require grad.
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from grouprl.policies.flow.models import Family
+from grouprl.policies.lora_targets import LoRATargets, resolve_targets
 from grouprl.policies.text.lora import LoRASettings, merged_state_dict
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -54,15 +59,30 @@ def _peft_config(settings: LoRASettings) -> Any:
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        target_modules=settings.target_modules
+        if isinstance(settings.target_modules, str)  # "all-linear": peft resolves it the same
+        else list(settings.target_modules),
         init_lora_weights="gaussian",
     )
 
 
-def add_lora(model: torch.nn.Module, settings: LoRASettings) -> None:
-    """Inject a fresh adapter in place; the base weights are frozen, the adapter trainable."""
+def add_lora(model: torch.nn.Module, settings: LoRASettings) -> LoRATargets:
+    """Inject a fresh adapter in place; the base weights are frozen, the adapter trainable.
+    Returns the adapted modules, resolved before anything is injected (lora_targets'
+    suffix rule; peft's semantics kept: target lists are written for every variant of a family,
+    so one entry must match a linear layer and the entries that match none are named in a
+    warning); flow / unet take no parameter targets (their denoisers hold no stacked expert
+    weights)."""
     from peft import inject_adapter_in_model
 
+    if not isinstance(settings.target_parameters, str):
+        raise ValueError(
+            f"lora.target_parameters {settings.target_parameters} cannot apply to "
+            f"{type(model).__name__}: flow / unet LoRA adapts modules only (lora.target_modules)"
+        )
+    targets = resolve_targets(
+        model, dataclasses.replace(settings, target_parameters="none"), every_entry=False
+    )
     config = _peft_config(settings)
     try:
         if hasattr(model, "add_adapter") and hasattr(model, "_hf_peft_config_loaded"):
@@ -71,11 +91,19 @@ def add_lora(model: torch.nn.Module, settings: LoRASettings) -> None:
             inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
         raise ValueError(
-            f"LoRA target_modules {list(settings.target_modules)} do not fit "
+            f"LoRA target_modules {settings.target_modules} do not fit "
             f"{type(model).__name__}: {str(e).splitlines()[0]}"
         ) from None
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+    adapted = sorted(n for n, m in model.named_modules() if m in set(lora_layers(model)))
+    if adapted != sorted(targets.modules):
+        raise ValueError(
+            f"peft adapted {len(adapted)} modules of {type(model).__name__}, the resolved "
+            f"lora.target_modules name {len(targets.modules)}: "
+            f"{sorted(set(adapted) ^ set(targets.modules))[:6]}"
+        )
+    return targets
 
 
 def lora_layers(model: torch.nn.Module) -> list[Any]:
@@ -118,7 +146,8 @@ def save_lora(
     """Write directory/pytorch_lora_weights.safetensors in the diffusers LoRA format."""
     state = lora_state_dict(model)
     meta = _peft_config(settings).to_dict()
-    meta["target_modules"] = sorted(meta["target_modules"])
+    if not isinstance(meta["target_modules"], str):
+        meta["target_modules"] = sorted(meta["target_modules"])
     directory.mkdir(parents=True, exist_ok=True)
     if family.pipeline is not None:
         import diffusers

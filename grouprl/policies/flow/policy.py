@@ -160,6 +160,7 @@ class FlowPolicy:
             )
         self.lora = flow_lora.flow_lora_settings(lora, self.family)
         self.weights = FlowWeights(model, self.family, self.lora)  # trainable: float32 masters
+        self.lora_targets = self.weights.lora_targets  # None without LoRA
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.model, self.vae, self.prompt_encoder = model, vae, prompt_encoder

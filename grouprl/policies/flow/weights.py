@@ -26,6 +26,7 @@ from torch import Tensor
 from grouprl.policies.base import OLD
 from grouprl.policies.flow import lora as flow_lora
 from grouprl.policies.flow.models import Family
+from grouprl.policies.lora_targets import write_targets
 from grouprl.policies.precision import master_weights
 from grouprl.policies.text.lora import LoRASettings
 
@@ -35,8 +36,8 @@ class FlowWeights:
 
     def __init__(self, model: torch.nn.Module, family: Family, lora: LoRASettings | None) -> None:
         self.model, self.family, self.lora = model, family, lora
-        if lora is not None:
-            flow_lora.add_lora(model, lora)
+        # the adapted modules, resolved from the module tree: logged and saved with the run
+        self.lora_targets = None if lora is None else flow_lora.add_lora(model, lora)
         master_weights(model)  # trainable weights (and so AdamW's moments) in float32
         self._ref_model: Any = None
         self._old: dict[str, Tensor] | None = None
@@ -113,6 +114,7 @@ class FlowWeights:
         """LoRA file (under LoRA) and / or the merged model folder <directory>/<family folder>."""
         if self.lora is not None:
             flow_lora.save_lora(self.model, self.family, self.lora, directory)
+            write_targets(self.lora_targets, directory)
         if self.lora is None or merge_lora:
             flow_lora.save_model_folder(self.model, directory / self.family.folder)
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from grouprl.policies.checkpoints import load_folder_weights, load_trained_state, trained_state
+from grouprl.policies.lora_targets import resolve_targets, write_targets
 from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
 from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.policies.text.engines.fast import FastEngine
@@ -103,8 +104,10 @@ class CausalLMPolicy:
         self.compute_dtype = (
             compute_dtype_of(model) if compute_dtype is None else as_dtype(compute_dtype)
         )
+        # what gets an adapter, read from the module tree (None without LoRA); logged and saved
+        self.lora_targets = None if self.lora is None else resolve_targets(model, self.lora)
         if self.lora is not None:
-            model = add_lora(model, self.lora)
+            model = add_lora(model, self.lora, self.lora_targets)
         master_weights(model)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(
@@ -403,7 +406,8 @@ class CausalLMPolicy:
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """A plain transformers folder (safetensors + tokenizer). Under LoRA the adapter is merged
-        into the saved weights (the live model is left untouched) and also saved to dir/adapter."""
+        into the saved weights (the live model is left untouched) and also saved to dir/adapter,
+        with the resolved targets in dir/lora_targets.json."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.lora is None:
@@ -412,6 +416,7 @@ class CausalLMPolicy:
             self.model.save_pretrained(directory / "adapter", safe_serialization=True)
             base = self.model.get_base_model()
             base.save_pretrained(directory, state_dict=_merged_state_dict(base))
+            write_targets(self.lora_targets, directory)
         self.tokenizer.save_pretrained(directory)
         return directory
 

@@ -14,8 +14,10 @@ save under LoRA):
 - the action space excludes the image / video placeholder tokens: a completion holding one
   would be read as an image slot by the next forward (transformers then fails on the count of
   image features), so the engines never sample them and scoring gives them probability 0;
-- LoRA (arXiv:2106.09685) goes to the LANGUAGE MODEL's projections only (a module-name pattern
-  under `language_model`, so a CLIP tower's q_proj / v_proj are never adapted); the vision tower
+- LoRA (arXiv:2106.09685) goes to the LANGUAGE MODEL only: its targets are resolved inside
+  `get_decoder()` (policies/lora_targets.py), so a CLIP tower's q_proj / v_proj and the
+  projector are never adapted (an entry of lora.target_modules naming only them is an error
+  listing the language model's linear layers); the vision tower
   and its projector are frozen (no gradient, no optimizer state) or trainable in full
   (`vision_tower`). With a trainable tower the reference is a frozen copy of the initial model
   (disabling the adapter would keep the trained tower).
@@ -34,10 +36,16 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from grouprl.policies.checkpoints import load_folder_weights, load_trained_state, trained_state
+from grouprl.policies.lora_targets import LoRATargets, resolve_targets, write_targets
 from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, master_weights
 from grouprl.policies.text.engines.base import SamplingParams, unwrap_peft
 from grouprl.policies.text.loading import DTYPES, DType, check_source
-from grouprl.policies.text.lora import LoRASettings, lora_settings, merged_state_dict
+from grouprl.policies.text.lora import (
+    LoRASettings,
+    add_lora,
+    lora_settings,
+    merged_state_dict,
+)
 from grouprl.policies.vision.engines.base import VisionEngine
 from grouprl.policies.vision.engines.fast import VisionDecoder, VisionFastEngine
 from grouprl.policies.vision.logprobs import vision_completion_logprobs
@@ -87,22 +95,22 @@ def vision_parameter_names(model: Any) -> set[str]:
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-def add_language_lora(model: Any, settings: LoRASettings) -> Any:
-    """The model wrapped by peft with a fresh adapter on the language model's projections named
-    in settings.target_modules (a pattern under `language_model`, never the vision tower)."""
-    import re
+def language_model(model: Any) -> Any:
+    """The model's language model (transformers' `get_decoder()`): where LoRA adapters go."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise ValueError(
+            f"{type(model).__name__} names no language model (get_decoder()); LoRA cannot tell "
+            "it from the vision tower: train without model.lora"
+        )
+    return decoder
 
-    from peft import LoraConfig, get_peft_model
 
-    names = "|".join(re.escape(m) for m in settings.target_modules)
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=rf".*language_model\..*\.({names})",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+def add_language_lora(model: Any, settings: LoRASettings) -> tuple[Any, LoRATargets]:
+    """(the model wrapped by peft with a fresh adapter, the targets): the targets resolved in
+    the language model only (get_decoder(); never the vision tower or projector)."""
+    targets = resolve_targets(model, settings, scope=language_model(model))
+    return add_lora(model, settings, targets), targets
 
 
 class _Scorer:
@@ -152,8 +160,9 @@ class VisionLMPolicy:
         copy_reference = self.lora is None or vision_tower == "trainable"
         if need_reference and copy_reference:
             self._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.lora_targets: LoRATargets | None = None  # resolved from the module tree, saved
         if self.lora is not None:
-            model = add_language_lora(model, self.lora)
+            model, self.lora_targets = add_language_lora(model, self.lora)
         tower = vision_parameter_names(model)
         for name, p in model.named_parameters():
             if name in tower:
@@ -357,6 +366,7 @@ class VisionLMPolicy:
             self.model.save_pretrained(directory / "adapter", safe_serialization=True)
             base = self.model.get_base_model()
             base.save_pretrained(directory, state_dict=merged_state_dict(base))
+            write_targets(self.lora_targets, directory)
         self.processor.save_pretrained(directory)
         return directory
 
