@@ -577,6 +577,8 @@ def build_phi3(out: Path | str) -> Path:
         bos_token_id=1, eos_token_id=[eot, ids["<|assistant|>"], ids["<|end|>"]], pad_token_id=eot
     )
     return save_replica(model, tok, gen, out, torch.bfloat16)
+
+
 _TINY_MOE = dict(num_experts_per_tok=2, output_router_logits=False)  # 4 experts, top 2
 
 
