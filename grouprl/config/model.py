@@ -134,6 +134,13 @@ class ImageModelConfig(Section):
     max_sequence_length: int | None = Field(
         None, ge=1, description="T5 prompt length (None: the pipeline's default)."
     )
+    experts: Literal["both", "high_noise", "low_noise"] = Field(
+        "both",
+        description="A two-expert pipeline (Wan 2.2 A14B: transformer_2 and boundary_ratio): which "
+        "experts train. both; high_noise (transformer, the steps at or above the boundary; "
+        "transformer_2 frozen); low_noise (transformer_2, the steps below it; transformer "
+        "frozen). A frozen expert still draws its steps. Only for two-expert pipelines.",
+    )
 
 
 ModelConfig = Annotated[

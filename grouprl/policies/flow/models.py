@@ -8,6 +8,11 @@ the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
            with image ids (0, row, col) and zero text ids, timestep = (sigma * 1000) / 1000, and the
            guidance embedding (a per-sample scale) when the config has guidance_embeds (FluxPipeline).
 - "wan"    WanTransformer3DModel: 5-D video latents [B, C, F, H, W], timestep = sigma * 1000.
+- "wan_expand"  the same transformer in a pipeline with `expand_timesteps` (Wan 2.2 TI2V-5B): the
+           timestep goes in per latent token, [B, F * (H / p_h) * (W / p_w)] (WanPipeline's
+           expanded timesteps; every token shares the step's time in text-to-video).
+A two-expert denoiser (experts.DenoiserExperts, Wan 2.2 A14B) has its experts' family; the policy
+calls one expert per step (policy.py).
 - "module" any nn.Module velocity model: `model(x, sigma, **cond) -> v` with x [B, ...] in the
            model's dtype, sigma Float[B] in [0, 1] (1 = pure noise) and cond the conditioning tensors
            of the batch (e.g. class_labels Long[B] or prompt_embeds [B, L, D]); returns v ~ eps - x0
@@ -112,6 +117,18 @@ def _wan(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
     )[0]  # fmt: skip
 
 
+def _wan_expand(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    if x.dim() != 5:
+        raise ValueError(f"Wan latents must be [B, C, F, H, W], got {tuple(x.shape)}")
+    p_t, p_h, p_w = model.config.patch_size
+    tokens = (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+    per_token = timestep[:, None].expand(-1, tokens)  # [B, tokens]
+    return model(
+        hidden_states=x, timestep=per_token, encoder_hidden_states=cond["prompt_embeds"],
+        return_dict=False,
+    )[0]  # fmt: skip
+
+
 def _module(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
     return _sample(model(x, sigma, **cond))
 
@@ -127,6 +144,9 @@ FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", _sd3, _JOINT, "StableDiffusion3Pipeline", "transformer"),
     "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear"),
     "wan": Family("wan", _wan, _ATTN, "WanPipeline", "transformer", video=True),
+    "wan_expand": Family(
+        "wan_expand", _wan_expand, _ATTN, "WanPipeline", "transformer", video=True
+    ),  # fmt: skip
     "module": Family("module", _module, _ATTN, None, "transformer"),
     "unet": Family("unet", _unet, _ATTN, "StableDiffusionPipeline", "unet"),
 }
@@ -140,7 +160,12 @@ _BY_CLASS = {
 
 
 def family_of(model: Any, family: str | None = None) -> Family:
-    """The Family named `family`, or the one of model's class (any other nn.Module: "module")."""
+    """The Family named `family`, or the one of model's class (any other nn.Module: "module");
+    a two-expert denoiser has its experts' family."""
+    from grouprl.policies.flow.experts import DenoiserExperts
+
+    if isinstance(model, DenoiserExperts):
+        model = model.expert(0)
     if family is None:
         family = _BY_CLASS.get(type(model).__name__, "module")
         if family == "module" and not isinstance(model, torch.nn.Module):
@@ -203,7 +228,11 @@ def _cast(cond: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
 def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None = None,
                      family: str | None = None) -> tuple[int, ...]:  # fmt: skip
     """(C, h, w) latents of an image (C, f, h, w for video) for a diffusers denoiser and VAE."""
+    from grouprl.policies.flow.experts import DenoiserExperts
+
     fam = family_of(model, family)
+    if isinstance(model, DenoiserExperts):
+        model = model.expert(0)  # the experts share their latent layout
     spatial, temporal = vae_scale(vae)
     if fam.name == "module":
         raise ValueError(
@@ -267,9 +296,12 @@ def decoder_of(vae: Any) -> str:
 
 
 def vae_scale(vae: Any) -> tuple[int, int]:
-    """(spatial, temporal) down-sampling factors of a VAE (1, 1 for pixel space)."""
+    """(spatial, temporal) down-sampling factors of a VAE (1, 1 for pixel space). AutoencoderKLWan
+    states them in its config (WanPipeline reads scale_factor_spatial / _temporal): 8 and 4 for
+    Wan 2.1's VAE, 16 and 4 for Wan 2.2's (z_dim 48, patch 2), which its down-sampling levels
+    alone do not show."""
     if vae is None:
         return 1, 1
     if type(vae).__name__ == "AutoencoderKLWan":
-        return 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+        return int(vae.config.scale_factor_spatial), int(vae.config.scale_factor_temporal)
     return 2 ** (len(vae.config.block_out_channels) - 1), 1

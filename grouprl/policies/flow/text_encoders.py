@@ -55,7 +55,9 @@ ENCODERS: dict[str, Callable[[Any, list[str], int | None], dict[str, Tensor]]] =
     "wan": _wan,
     "unet": _unet,
 }
-_NO_DENOISER = {"sd3": "transformer", "flux": "transformer", "wan": "transformer", "unet": "unet"}
+# the denoiser components the text side never loads (Wan 2.2 A14B: both experts)
+_NO_DENOISER = {"sd3": ("transformer",), "flux": ("transformer",),
+                "wan": ("transformer", "transformer_2"), "unet": ("unet",)}  # fmt: skip
 
 
 class PromptEncoder:
@@ -95,7 +97,7 @@ class PromptEncoder:
                 f"no prompt encoder for family {family!r}; allowed: {sorted(ENCODERS)}"
             )
         pipe_cls = getattr(diffusers, FAMILIES[family].pipeline)
-        skip = {_NO_DENOISER[family]: None, "vae": None}
+        skip = {**dict.fromkeys(_NO_DENOISER[family]), "vae": None}
         if family == "unet":
             skip.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         try:

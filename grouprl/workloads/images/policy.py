@@ -11,6 +11,12 @@ model.type "flow":
   see policies/flow/models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
   into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
   conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
+- a two-expert pipeline (Wan 2.2 A14B: model_index.json names transformer_2 and sets
+  boundary_ratio): both experts in one DenoiserExperts (policies/flow/experts.py) switched by the
+  pipeline's rule; model.experts picks which train, diffusion.guidance_scale_2 the low-noise
+  expert's guidance (WanPipeline's guidance_scale_2); a pipeline with expand_timesteps (Wan 2.2
+  TI2V-5B) takes the "wan_expand" family (per-token timesteps);
+- refused by name: FluxKontextPipeline (its reference-image conditioning is not built here).
 model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
 sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler config (SD 1.5's
 PNDM betas and steps_offset), as DDPO does.
@@ -70,8 +76,22 @@ def load_velocity_module(m: Any) -> torch.nn.Module:
     return model
 
 
-def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
-    """Denoiser, VAE and scheduler config of a diffusers pipeline folder / hub id; its class name."""
+# pipelines whose conditioning this workload does not build: refused when the model is read
+REFUSED_PIPELINES = {
+    "FluxKontextPipeline": "FLUX.1 Kontext conditions every step on a reference image's packed "
+    "latents (an input image per example), which the images workload does not build yet",
+}
+
+
+def _component(spec: dict, name: str) -> bool:
+    """model_index.json names a component `name` that the folder has (not [null, null])."""
+    value = spec.get(name)
+    return isinstance(value, list) and len(value) == 2 and value[1] is not None
+
+
+def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str, dict]:
+    """Denoiser (two experts: a DenoiserExperts), VAE and scheduler config of a diffusers pipeline
+    folder / hub id; its denoiser class name; its pipeline config (model_index.json)."""
     import diffusers
     from huggingface_hub import hf_hub_download
 
@@ -80,6 +100,14 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
     if index is None:
         index = Path(hf_hub_download(m.name_or_path, "model_index.json"))
     spec = json.loads(index.read_text())
+    pipeline_cls = spec.get("_class_name")
+    if pipeline_cls in REFUSED_PIPELINES:
+        raise ValueError(
+            f"model.name_or_path={m.name_or_path!r} is a {pipeline_cls}: not supported "
+            f"({REFUSED_PIPELINES[pipeline_cls]}); supported: text-to-image / text-to-video "
+            "pipelines (StableDiffusion3Pipeline, FluxPipeline, WanPipeline incl. Wan 2.2's two "
+            "experts, StableDiffusionPipeline)"
+        )
     if denoiser not in spec:
         raise ValueError(
             f"model.name_or_path={m.name_or_path!r}: model_index.json has no {denoiser!r} "
@@ -87,9 +115,13 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
             f"{'flow needs a transformer' if denoiser == 'transformer' else 'unet needs a unet'}"
         )
     dtype = getattr(torch, m.dtype)
-    net = getattr(diffusers, spec[denoiser][1]).from_pretrained(
-        m.name_or_path, subfolder=denoiser, torch_dtype=dtype
-    )
+
+    def load(name: str) -> Any:
+        return getattr(diffusers, spec[name][1]).from_pretrained(
+            m.name_or_path, subfolder=name, torch_dtype=dtype
+        )
+
+    net = load(denoiser)
     vae = None
     if spec.get("vae", [None, None])[1] is not None:
         vae = getattr(diffusers, spec["vae"][1]).from_pretrained(
@@ -98,7 +130,22 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str]:
     sched_cls = getattr(diffusers, spec["scheduler"][1])
     sched = dict(sched_cls.load_config(m.name_or_path, subfolder="scheduler"))
     sched["_class_name"] = spec["scheduler"][1]  # the class model_index.json names
-    return net, vae, sched, spec[denoiser][1]
+    second = f"{denoiser}_2"
+    if _component(spec, second):  # Wan 2.2 A14B: the low-noise expert
+        from grouprl.policies.flow.experts import EXPERT_CHOICES, DenoiserExperts, check_boundary
+
+        check_boundary(spec.get("boundary_ratio"), (denoiser, second))
+        net = DenoiserExperts(
+            {denoiser: net, second: load(second)}, boundary_ratio=spec["boundary_ratio"],
+            num_train_timesteps=int(sched.get("num_train_timesteps", 1000)),
+            trained=EXPERT_CHOICES[m.experts],
+        )  # fmt: skip
+    elif "experts" in m.model_fields_set and m.experts != "both":
+        raise ValueError(
+            f"model.experts={m.experts!r}: {m.name_or_path!r} has one denoiser (no {second} in "
+            "model_index.json); remove model.experts"
+        )
+    return net, vae, sched, spec[denoiser][1], spec
 
 
 def _lora(cfg: Any) -> dict | None:
@@ -135,6 +182,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         train_cfg=d.train_guidance, steps=_steps(d), pixel_range=m.pixel_range,
         initial_noise="shared" if d.shared_noise == "group" else "independent",
         compute_dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
+        guidance_scale_2=d.guidance_scale_2,
     )  # fmt: skip
     if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
         if m.type == "unet":
@@ -154,7 +202,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         policy = FlowPolicy(net, latent_shape=(channels, d.height, d.width), family="module",
                             scheduler_config=sched, **common)  # fmt: skip
     else:
-        net, vae, sched, cls_name = _pipeline_parts(
+        net, vae, sched, cls_name, spec = _pipeline_parts(
             m, "unet" if m.type == "unet" else "transformer"
         )
         source = m.name_or_path  # full fine-tunes save a whole pipeline folder from it
@@ -182,8 +230,10 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         else:
             if d.shift is not None:
                 sched = _override_shift(sched, d.shift)
+            # WanPipeline's expand_timesteps (Wan 2.2 TI2V-5B): the timestep per latent token
+            family = "wan_expand" if spec.get("expand_timesteps") else None
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
-                                scheduler_config=sched, pipeline_source=source,
+                                scheduler_config=sched, pipeline_source=source, family=family,
                                 **common)  # fmt: skip
     if cfg.algorithm.kl_coef > 0 and policy.lora is None:
         # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
