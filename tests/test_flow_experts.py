@@ -1,7 +1,7 @@
 """Wan 2.2's pipelines as they come from the hub, on their replicas (grouprl/replicas/diffusion.py):
 A14B's two experts (transformer for the high-noise steps, transformer_2 for the low-noise ones,
-switched at model_index.json's boundary_ratio as WanPipeline does), TI2V-5B's 48-channel VAE with
-16x spatial down-sampling and per-token timesteps, and FLUX.1 Kontext refused by name.
+switched at model_index.json's boundary_ratio as WanPipeline does) and TI2V-5B's 48-channel VAE
+with 16x spatial down-sampling and per-token timesteps. FLUX.1 Kontext: tests/test_flow_kontext.py.
 
 Checked here: which expert draws each step (recorded, and the pipeline's own rule on the scheduler's
 timesteps); a step's log-prob is the one recomputed with that expert's own forward (and not the
@@ -21,7 +21,6 @@ from grouprl.config.loading import apply_overrides, validate
 from grouprl.policies.flow.experts import DenoiserExperts, lora_file
 from grouprl.policies.flow.samplers import flow_sde
 from grouprl.replicas.diffusion import (
-    build_flux_kontext_dev,
     build_wan21_t2v,
     build_wan22_t2v_a14b,
     build_wan22_ti2v_5b,
@@ -39,7 +38,7 @@ def folders(tmp_path_factory):
     def get(name):
         if name not in built:
             build = {"a14b": build_wan22_t2v_a14b, "ti2v": build_wan22_ti2v_5b,
-                     "wan21": build_wan21_t2v, "kontext": build_flux_kontext_dev}[name]  # fmt: skip
+                     "wan21": build_wan21_t2v}[name]  # fmt: skip
             built[name] = build(root / name)
         return built[name]
 
@@ -258,13 +257,6 @@ def test_two_experts_without_boundary_ratio_is_refused(tmp_path, folders):
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="boundary_ratio"):
         _policy(tmp_path, folder)
-
-
-def test_flux_kontext_is_refused_by_name(tmp_path, folders):
-    """Old code: the Kontext transformer was loaded and sampled as text-to-image, with no input
-    image, silently."""
-    with pytest.raises(ValueError, match="FluxKontextPipeline: not supported"):
-        _policy(tmp_path, folders("kontext"), "model.lora=null", frames=1)
 
 
 # ---- Wan 2.2 TI2V-5B ------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ builds in a few seconds). Weights are random (seeded, so a folder is the same on
   flux.1-kontext-dev  black-forest-labs/FLUX.1-Kontext-dev (FluxKontextPipeline): the FLUX.1-dev
                   components and scheduler under the Kontext pipeline class (the reference image's
                   latents join the sequence at run time; nothing in the folder differs but the
-                  class). Not in DIFFUSION_REPLICAS: grouprl refuses the pipeline (its tests use it).
+                  class, as on the hub).
   sd1.5           stable-diffusion-v1-5/stable-diffusion-v1-5 (StableDiffusionPipeline):
                   UNet2DConditionModel (3 CrossAttnDownBlock2D + DownBlock2D, UpBlock2D + 3
                   CrossAttnUpBlock2D, 4 latent channels), AutoencoderKL (scaling_factor 0.18215, quant
@@ -506,6 +506,7 @@ DIFFUSION_REPLICAS: dict[str, Callable[[str | Path], Path]] = {
     "wan2.1-t2v": build_wan21_t2v,
     "wan2.2-t2v-a14b": build_wan22_t2v_a14b,
     "wan2.2-ti2v-5b": build_wan22_ti2v_5b,
+    "flux.1-kontext-dev": build_flux_kontext_dev,
     "sd1.5": build_sd15,
     "pickscore": build_pickscore,
     "clip-vit-large-patch14": build_clip_large,

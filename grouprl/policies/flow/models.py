@@ -11,6 +11,10 @@ the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
 - "wan_expand"  the same transformer in a pipeline with `expand_timesteps` (Wan 2.2 TI2V-5B): the
            timestep goes in per latent token, [B, F * (H / p_h) * (W / p_w)] (WanPipeline's
            expanded timesteps; every token shares the step's time in text-to-video).
+- "flux_kontext"  the FLUX transformer of FluxKontextPipeline (image-conditioned): the reference
+           image's latents cond["image_latents"] [B, C, h, w] are packed the same way and joined
+           after the generated latents' tokens, their ids (1, row, col) (the first id 1 tells them
+           apart), and only the generated tokens' prediction is kept.
 A two-expert denoiser (experts.DenoiserExperts, Wan 2.2 A14B) has its experts' family; the policy
 calls one expert per step (policy.py).
 - "module" any nn.Module velocity model: `model(x, sigma, **cond) -> v` with x [B, ...] in the
@@ -19,7 +23,8 @@ calls one expert per step (policy.py).
            of x's shape (a tensor, or an object with `.sample`).
 - "unet"   UNet2DConditionModel (SD 1.x, epsilon prediction): timestep = the integer DDPM step,
            encoder_hidden_states = prompt_embeds.
-Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P], or for
+Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P],
+image_latents [B, C, h, w] (flux_kontext: the reference image, VAE-encoded by encode_kl), or for
 "module" any keys the model accepts. Classifier-free guidance batches [negative; positive] in one
 forward and returns uncond + scale (cond - uncond), as the diffusers pipelines do.
 
@@ -91,21 +96,38 @@ def flux_image_ids(h: int, w: int, device, dtype) -> Tensor:
     return ids.reshape(-1, 3)
 
 
-def _flux(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
-    h, w = x.shape[-2:]
+def _flux_tokens(model, tokens, ids, *, timestep, cond, guidance) -> Tensor:
+    """One FLUX transformer call on packed tokens [B, T, 4C] with their ids [T, 3]."""
     text = cond["prompt_embeds"]  # [B, L, D]
     g = None
     if getattr(model.config, "guidance_embeds", False):
         if guidance is None:
             raise ValueError("this FLUX transformer has guidance_embeds: pass a guidance scale")
-        g = guidance.to(device=x.device, dtype=torch.float32)  # [B]
-    out = model(
-        hidden_states=pack_flux(x), timestep=timestep / 1000, guidance=g,
+        g = guidance.to(device=tokens.device, dtype=torch.float32)  # [B]
+    return model(
+        hidden_states=tokens, timestep=timestep / 1000, guidance=g,
         pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=text,
-        txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=text.dtype),
-        img_ids=flux_image_ids(h, w, x.device, x.dtype), return_dict=False,
-    )[0]  # fmt: skip  # [B, HW/4, 4C]
-    return unpack_flux(out, h, w)
+        txt_ids=torch.zeros(text.shape[1], 3, device=tokens.device, dtype=text.dtype),
+        img_ids=ids, return_dict=False,
+    )[0]  # fmt: skip  # [B, T, 4C]
+
+
+def _flux(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    ids = flux_image_ids(h, w, x.device, x.dtype)  # [HW/4, 3]
+    out = _flux_tokens(model, pack_flux(x), ids, timestep=timestep, cond=cond, guidance=guidance)
+    return unpack_flux(out, h, w)  # [B, C, H, W]
+
+
+def _flux_kontext(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    ref = cond["image_latents"].to(x.dtype)  # [B, C, h_r, w_r]
+    ref_ids = flux_image_ids(*ref.shape[-2:], x.device, x.dtype)  # [h_r w_r / 4, 3]
+    ref_ids[:, 0] = 1  # FluxKontextPipeline: the reference image's tokens
+    tokens = torch.cat([pack_flux(x), pack_flux(ref)], 1)  # [B, HW/4 + h_r w_r / 4, 4C]
+    ids = torch.cat([flux_image_ids(h, w, x.device, x.dtype), ref_ids])  # [T, 3]
+    out = _flux_tokens(model, tokens, ids, timestep=timestep, cond=cond, guidance=guidance)
+    return unpack_flux(out[:, : (h // 2) * (w // 2)], h, w)  # [B, C, H, W] generated tokens only
 
 
 def _wan(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
@@ -143,6 +165,14 @@ _JOINT = (*_ATTN, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # Flo
 FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", _sd3, _JOINT, "StableDiffusion3Pipeline", "transformer"),
     "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear"),
+    "flux_kontext": Family(
+        "flux_kontext",
+        _flux_kontext,
+        _JOINT,
+        "FluxKontextPipeline",
+        "transformer",
+        sigma_spacing="linear",
+    ),  # fmt: skip
     "wan": Family("wan", _wan, _ATTN, "WanPipeline", "transformer", video=True),
     "wan_expand": Family(
         "wan_expand", _wan_expand, _ATTN, "WanPipeline", "transformer", video=True
@@ -150,6 +180,9 @@ FAMILIES: dict[str, Family] = {
     "module": Family("module", _module, _ATTN, None, "transformer"),
     "unet": Family("unet", _unet, _ATTN, "StableDiffusionPipeline", "unet"),
 }
+
+PACKED_2X2 = ("flux", "flux_kontext")  # families whose latents go in as 2x2 patches (pack_flux)
+IMAGE_CONDITIONED = ("flux_kontext",)  # families that take cond["image_latents"] (a reference)
 
 _BY_CLASS = {
     "SD3Transformer2DModel": "sd3",
@@ -239,13 +272,32 @@ def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None
             "latent_shape_for: pass latent_shape explicitly for a user velocity module"
         )
     channels = model.config.in_channels
-    if fam.name == "flux":  # FLUX packs 2x2 patches: in_channels = 4 C, even latent sides
+    if fam.name in PACKED_2X2:  # FLUX packs 2x2 patches: in_channels = 4 C, even latent sides
         return channels // 4, 2 * (height // (spatial * 2)), 2 * (width // (spatial * 2))
     if fam.video:
         if num_frames is None:
             raise ValueError("latent_shape_for: a video model needs num_frames")
         return channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial
     return channels, height // spatial, width // spatial
+
+
+# ---- encoding (reference images) ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_kl(vae: Any, pixels: Tensor) -> Tensor:
+    """Latents [N, C, h, w] of images Float[N, 3, H, W] in [-1, 1] through an AutoencoderKL, as
+    FluxKontextPipeline encodes its reference image: the posterior's mode (sample_mode "argmax"),
+    then (z - shift_factor) * scaling_factor."""
+    if vae is None or type(vae).__name__ != "AutoencoderKL":
+        raise ValueError(
+            f"reference images are encoded with an AutoencoderKL; this policy's VAE is "
+            f"{type(vae).__name__}"
+        )
+    x = pixels.to(compute_dtype_of(vae))  # [N, 3, H, W]
+    z = vae.encode(x).latent_dist.mode().float()  # [N, C, h, w]
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (z - shift) * vae.config.scaling_factor
 
 
 # ---- decoding ----------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ Public API (everything a loop or a user touches):
   .rules                                                the step rules (rules.py): set_timesteps,
                                                         step, kl_var; FlowMatchRules or DDIMRules
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
+  .with_reference_images(cond, images) -> FlowCondition  adds the reference images' latents
+                                                        (FLUX.1 Kontext: cond["image_latents"])
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
           store_means=False) -> Rollout                 actions=FlowBatch, old_logp [N, K], mask
@@ -79,10 +81,13 @@ from grouprl.policies.flow.experts import DenoiserExperts
 from grouprl.policies.flow.gaussian import gaussian_mean_kl
 from grouprl.policies.flow.models import (
     DECODERS,
+    IMAGE_CONDITIONED,
     decoder_of,
+    encode_kl,
     family_of,
     latent_shape_for,  # re-exported (public API)
     predict,
+    vae_scale,
 )
 from grouprl.policies.flow.noising import forward_noising
 from grouprl.policies.flow.pipeline_folder import complete_pipeline
@@ -229,6 +234,31 @@ class FlowPolicy:
                 "this policy has no prompt_encoder: pass a FlowCondition of embeddings"
             )
         return self.prompt_encoder(prompts, device=self.device)
+
+    def with_reference_images(self, cond: FlowCondition, images: list[Any]) -> FlowCondition:
+        """cond plus "image_latents" [B, C, h, w] in both branches: each PIL image resized to the
+        generated size by the pipeline's own VaeImageProcessor (FluxKontextPipeline with
+        _auto_resize off and an image of that size: resize, [-1, 1]) and encoded by encode_kl.
+        FluxKontextPipeline's true CFG keeps the reference in its negative branch as well."""
+        if self.family.name not in IMAGE_CONDITIONED:
+            raise ValueError(
+                f"family {self.family.name!r} takes no reference image; image-conditioned "
+                f"families: {list(IMAGE_CONDITIONED)}"
+            )
+        if len(images) != len(cond):
+            raise ValueError(f"{len(images)} reference images for {len(cond)} condition rows")
+        from diffusers.image_processor import VaeImageProcessor
+
+        spatial = vae_scale(self.vae)[0]
+        height, width = self.latent_shape[-2] * spatial, self.latent_shape[-1] * spatial
+        pixels = VaeImageProcessor(vae_scale_factor=spatial * 2).preprocess(
+            images, height, width
+        )  # [B, 3, H, W] in [-1, 1]
+        with compute(compute_dtype_of(self.vae), self.device):
+            latents = encode_kl(self.vae, pixels.to(self.device))  # [B, C, h, w]
+        embeds = {**cond.embeds, "image_latents": latents}
+        negative = None if cond.negative is None else {**cond.negative, "image_latents": latents}
+        return FlowCondition(embeds, negative)
 
     def predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
         """The denoiser `model` (this policy's, or its reference / old copy) at x [B, *latent],

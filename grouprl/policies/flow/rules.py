@@ -78,7 +78,9 @@ class StepRules(Protocol):
 def image_seq_len(family: Any, model: Any, latent_shape: tuple[int, ...]) -> int | None:
     """Image tokens of one latent, for dynamic shifting (mu from the resolution): FLUX packs 2x2
     latents, SD3 uses patch_size x patch_size patches; None for the other families."""
-    if family.name == "flux":
+    from grouprl.policies.flow.models import PACKED_2X2
+
+    if family.name in PACKED_2X2:  # Kontext: the generated latents' tokens only, as its pipeline
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
     if family.name == "sd3":
         patch = int(getattr(getattr(model, "config", None), "patch_size", 1))

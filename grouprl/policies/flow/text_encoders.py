@@ -52,12 +52,15 @@ def _unet(pipe, prompts, max_len) -> dict[str, Tensor]:
 ENCODERS: dict[str, Callable[[Any, list[str], int | None], dict[str, Tensor]]] = {
     "sd3": _sd3,
     "flux": _flux,
+    "flux_kontext": _flux,  # FluxKontextPipeline.encode_prompt: FluxPipeline's
     "wan": _wan,
+    "wan_expand": _wan,
     "unet": _unet,
 }
 # the denoiser components the text side never loads (Wan 2.2 A14B: both experts)
 _NO_DENOISER = {"sd3": ("transformer",), "flux": ("transformer",),
-                "wan": ("transformer", "transformer_2"), "unet": ("unet",)}  # fmt: skip
+                "flux_kontext": ("transformer",), "wan": ("transformer", "transformer_2"),
+                "wan_expand": ("transformer",), "unet": ("unet",)}  # fmt: skip
 
 
 class PromptEncoder:

@@ -16,7 +16,9 @@ model.type "flow":
   pipeline's rule; model.experts picks which train, diffusion.guidance_scale_2 the low-noise
   expert's guidance (WanPipeline's guidance_scale_2); a pipeline with expand_timesteps (Wan 2.2
   TI2V-5B) takes the "wan_expand" family (per-token timesteps);
-- refused by name: FluxKontextPipeline (its reference-image conditioning is not built here).
+- FluxKontextPipeline (FLUX.1 Kontext): the "flux_kontext" family, conditioned on each example's
+  reference image (model.condition prompt_image, the `image` column); a pipeline's family is read
+  from its class where the denoiser class alone does not tell (PIPELINE_FAMILIES).
 model.type "unet": an SD 1.x pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP text encoder,
 sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler config (SD 1.5's
 PNDM betas and steps_offset), as DDPO does.
@@ -76,11 +78,8 @@ def load_velocity_module(m: Any) -> torch.nn.Module:
     return model
 
 
-# pipelines whose conditioning this workload does not build: refused when the model is read
-REFUSED_PIPELINES = {
-    "FluxKontextPipeline": "FLUX.1 Kontext conditions every step on a reference image's packed "
-    "latents (an input image per example), which the images workload does not build yet",
-}
+# pipeline classes whose conditioning differs from what their denoiser class says
+PIPELINE_FAMILIES = {"FluxKontextPipeline": "flux_kontext"}
 
 
 def _component(spec: dict, name: str) -> bool:
@@ -100,14 +99,6 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str, dict]:
     if index is None:
         index = Path(hf_hub_download(m.name_or_path, "model_index.json"))
     spec = json.loads(index.read_text())
-    pipeline_cls = spec.get("_class_name")
-    if pipeline_cls in REFUSED_PIPELINES:
-        raise ValueError(
-            f"model.name_or_path={m.name_or_path!r} is a {pipeline_cls}: not supported "
-            f"({REFUSED_PIPELINES[pipeline_cls]}); supported: text-to-image / text-to-video "
-            "pipelines (StableDiffusion3Pipeline, FluxPipeline, WanPipeline incl. Wan 2.2's two "
-            "experts, StableDiffusionPipeline)"
-        )
     if denoiser not in spec:
         raise ValueError(
             f"model.name_or_path={m.name_or_path!r}: model_index.json has no {denoiser!r} "
@@ -192,6 +183,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
             )
         common["sigma_spacing"] = d.sigma_spacing
     if m.type == "flow" and is_module_spec(m.name_or_path):
+        _check_condition(m, None)
         if d.num_frames != 1:
             raise ValueError("a user velocity module is an image model: diffusion.num_frames = 1")
         net, dtype = load_velocity_module(m), getattr(torch, m.dtype)
@@ -212,9 +204,11 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
                 f"diffusion.num_frames={d.num_frames} needs a video model; {cls_name} draws images"
             )
         frames = d.num_frames if video else None
+        family = _pipeline_family(spec) if m.type == "flow" else None
+        _check_condition(m, family)
         shape = latent_shape_for(net, vae, d.height, d.width, frames)
         encoder = PromptEncoder.from_pretrained(
-            m.name_or_path, "unet" if m.type == "unet" else _family_name(net),
+            m.name_or_path, "unet" if m.type == "unet" else family or _family_name(net),
             dtype=getattr(torch, m.dtype), negative_prompt=m.negative_prompt,
             max_sequence_length=m.max_sequence_length,
         )  # fmt: skip
@@ -230,8 +224,6 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         else:
             if d.shift is not None:
                 sched = _override_shift(sched, d.shift)
-            # WanPipeline's expand_timesteps (Wan 2.2 TI2V-5B): the timestep per latent token
-            family = "wan_expand" if spec.get("expand_timesteps") else None
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=sched, pipeline_source=source, family=family,
                                 **common)  # fmt: skip
@@ -250,6 +242,33 @@ def _override_shift(sched: dict, shift: float) -> dict:
     out, note = override_shift(sched, shift)
     warnings.warn(note, stacklevel=2)
     return out
+
+
+def _pipeline_family(spec: dict) -> str | None:
+    """The family a pipeline config asks for beyond its denoiser's class: FluxKontextPipeline's
+    reference image, WanPipeline's expand_timesteps (Wan 2.2 TI2V-5B: timesteps per token);
+    None: the denoiser class's family."""
+    if spec.get("_class_name") in PIPELINE_FAMILIES:
+        return PIPELINE_FAMILIES[spec["_class_name"]]
+    return "wan_expand" if spec.get("expand_timesteps") else None
+
+
+def _check_condition(m: Any, family: str | None) -> None:
+    """model.condition prompt_image exactly for an image-conditioned pipeline."""
+    from grouprl.policies.flow.models import IMAGE_CONDITIONED
+
+    takes_image = family in IMAGE_CONDITIONED
+    if takes_image and m.condition != "prompt_image":
+        raise ValueError(
+            f"model.name_or_path={m.name_or_path!r} is image-conditioned (FLUX.1 Kontext): every "
+            f"step sees a reference image; set model.condition: prompt_image (examples with an "
+            f"`image` column), got {m.condition!r}"
+        )
+    if m.condition == "prompt_image" and not takes_image:
+        raise ValueError(
+            f"model.condition='prompt_image' needs an image-conditioned pipeline "
+            f"(FluxKontextPipeline); {m.name_or_path!r} is not one: use model.condition: prompt"
+        )
 
 
 def _family_name(net: Any) -> str:
