@@ -293,3 +293,8 @@ def test_ti2v_latents_and_timesteps_follow_the_pipeline(tmp_path, folders):
     assert torch.equal(pol.log_probs(r.actions).logp[r.mask], r.old_logp[r.mask])
     video = pol.decode(r.actions.final)
     assert video.shape == (2, 3, 5, 32, 32) and torch.isfinite(video).all()
+
+
+def test_gradient_checkpointing_reaches_both_experts(tmp_path, folders):
+    pol = _policy(tmp_path, folders("a14b"), "model.gradient_checkpointing=true")
+    assert all(net.is_gradient_checkpointing for net in pol.model.experts.values())

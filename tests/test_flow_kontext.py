@@ -57,7 +57,8 @@ def _cfg(out, path, *overrides):
     return validate(apply_overrides(raw, list(overrides)))
 
 
-def test_kontext_chain_equals_the_pipelines_output(tmp_path, folders):
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.0])  # 2.0: the pipeline's true CFG, "" negative
+def test_kontext_chain_equals_the_pipelines_output(tmp_path, folders, cfg_scale):
     """Old code: the Kontext transformer ran as text-to-image FLUX, with no reference image."""
     from diffusers import FluxKontextPipeline
 
@@ -70,12 +71,13 @@ def test_kontext_chain_equals_the_pipelines_output(tmp_path, folders):
     none = torch.zeros(1, k_steps, dtype=torch.bool)  # every step deterministic (Euler)
     latents, _, _ = run_chain(
         partial(pol.predict, pol.model), pol.rules.step, x0, pol.schedule_columns(k_steps, 1),
-        cond, torch.ones(1), none, none, generator=None, chunk=1, store_means=False,
+        cond, torch.full((1,), cfg_scale), none, none, generator=None, chunk=1, store_means=False,
     )  # fmt: skip
     pipe = FluxKontextPipeline.from_pretrained(folders["kontext"])
     out = pipe(image=image, prompt="a red square", height=SIDE, width=SIDE, max_area=SIDE * SIDE,
                num_inference_steps=k_steps, guidance_scale=3.5, max_sequence_length=8,
-               latents=pack_flux(x0), output_type="latent", _auto_resize=False).images  # fmt: skip
+               latents=pack_flux(x0), output_type="latent", _auto_resize=False,
+               true_cfg_scale=cfg_scale, negative_prompt="" if cfg_scale > 1 else None).images  # fmt: skip
     torch.testing.assert_close(latents[:, -1], unpack_flux(out, 4, 4), rtol=1e-5, atol=1e-5)
 
 
