@@ -298,3 +298,18 @@ def test_ti2v_latents_and_timesteps_follow_the_pipeline(tmp_path, folders):
 def test_gradient_checkpointing_reaches_both_experts(tmp_path, folders):
     pol = _policy(tmp_path, folders("a14b"), "model.gradient_checkpointing=true")
     assert all(net.is_gradient_checkpointing for net in pol.model.experts.values())
+
+
+def test_scoring_one_experts_steps_still_gives_every_trained_weight_a_gradient(tmp_path, folders):
+    """DDP needs a gradient for every trainable parameter: scoring only high-noise steps (a step
+    window) gives the low-noise expert's adapter zeros, not None."""
+    pol = _policy(tmp_path, folders("a14b"))
+    r = pol.sample(["a red square"], 2, generator=torch.Generator().manual_seed(0))
+    high = [k for k in range(r.mask.shape[1]) if int(r.actions.expert[0, k]) == 0]
+    pol.log_probs(r.actions, steps=high).logp.sum().backward()
+    grads = {n: p.grad for n, p in pol.weights.trainable().items()}
+    assert all(g is not None for g in grads.values())
+    low = [g for n, g in grads.items() if n.startswith("experts.transformer_2.")]
+    assert low and all(bool((g == 0).all()) for g in low)
+    assert any(bool(g.abs().sum() > 0) for n, g in grads.items()
+               if n.startswith("experts.transformer."))  # fmt: skip

@@ -17,7 +17,10 @@ train is a choice (EXPERT_CHOICES): an expert that does not train is frozen (no 
 gradient) and still samples its steps.
 
 Each sampled step records which expert produced it (FlowBatch.expert, Long[N, K]) and re-scoring
-uses that expert, so a step's log-prob always comes from the network that generated it.
+uses that expert, so a step's log-prob always comes from the network that generated it. A scoring
+pass whose steps all belong to one expert (a step window, a subset of steps) adds a zero that
+depends on the other trained expert's weights (`unused_zero`), so every trainable parameter gets a
+gradient (zeros) and DDP, which expects one for each, does not stall or fail.
 """
 
 from __future__ import annotations
@@ -100,6 +103,15 @@ class DenoiserExperts(torch.nn.Module):
             out[rows] = part
         assert out is not None
         return out
+
+
+def unused_zero(model: DenoiserExperts, used: set[int]) -> Tensor:
+    """0-d zero tied to the trainable weights of the experts not in `used` (module docstring)."""
+    params = [p for i, name in enumerate(model.names) if i not in used
+              for p in model.experts[name].parameters() if p.requires_grad]  # fmt: skip
+    if not params:
+        return torch.zeros(())
+    return sum(p.sum() for p in params) * 0.0
 
 
 def lora_file(name: str) -> str:

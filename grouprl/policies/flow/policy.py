@@ -77,7 +77,7 @@ import torch
 from torch import Tensor
 
 from grouprl.policies.flow import lora as flow_lora
-from grouprl.policies.flow.experts import DenoiserExperts
+from grouprl.policies.flow.experts import DenoiserExperts, unused_zero
 from grouprl.policies.flow.gaussian import gaussian_mean_kl
 from grouprl.policies.flow.models import (
     DECODERS,
@@ -353,6 +353,14 @@ class FlowPolicy:
         logp, mean, std = score_chain(
             partial(self.predict, model), self.rules.step, batch, gscale, steps
         )
+        if isinstance(model, DenoiserExperts) and torch.is_grad_enabled():
+            # the experts this pass scored with; the others' trainable weights join with a zero
+            scored = batch.train_mask.any(0)  # [K]
+            if steps is not None:
+                scored &= torch.isin(torch.arange(len(scored), device=scored.device),
+                                     torch.as_tensor(steps, device=scored.device))  # fmt: skip
+            used = set(batch.expert[:, scored].unique().tolist())
+            logp = logp + unused_zero(model, used).to(logp.device)  # [n, K]
         extras = {"mean": mean, "std": std, "kl_var": self.rules.kl_var(batch, std)}
         return PolicyOutput(logp=logp, entropy=None, extras=extras)
 
