@@ -131,11 +131,6 @@ def _pipeline_parts(m: Any, denoiser: str) -> tuple[Any, Any, dict, str, dict]:
             num_train_timesteps=int(sched.get("num_train_timesteps", 1000)),
             trained=EXPERT_CHOICES[m.experts],
         )  # fmt: skip
-    elif "experts" in m.model_fields_set and m.experts != "both":
-        raise ValueError(
-            f"model.experts={m.experts!r}: {m.name_or_path!r} has one denoiser (no {second} in "
-            "model_index.json); remove model.experts"
-        )
     return net, vae, sched, spec[denoiser][1], spec
 
 
@@ -157,6 +152,7 @@ def _steps(d: Any) -> dict:
 
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:
     """FlowPolicy with flow rules (model.type flow) or DDIM rules (unet) from the config."""
+    from grouprl.policies.flow.experts import DenoiserExperts
     from grouprl.policies.flow.policy import FlowPolicy, PromptEncoder, latent_shape_for
     from grouprl.policies.flow.unet import ddim_config, ddim_policy
 
@@ -227,6 +223,11 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=sched, pipeline_source=source, family=family,
                                 **common)  # fmt: skip
+    if m.experts != "both" and not isinstance(policy.model, DenoiserExperts):
+        raise ValueError(
+            f"model.experts={m.experts!r}: {m.name_or_path!r} has one denoiser (no transformer_2 "
+            "and boundary_ratio in model_index.json); remove model.experts"
+        )
     if cfg.algorithm.kl_coef > 0 and policy.lora is None:
         # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
         # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)
