@@ -21,6 +21,9 @@ PIPELINES = {
     "flux.1-dev": "FluxPipeline",
     "flux.1-schnell": "FluxPipeline",
     "wan2.1-t2v": "WanPipeline",
+    "wan2.2-t2v-a14b": "WanPipeline",
+    "wan2.2-ti2v-5b": "WanPipeline",
+    "flux.1-kontext-dev": "FluxKontextPipeline",
     "sd1.5": "StableDiffusionPipeline",
     "sdxl": "StableDiffusionXLPipeline",
     "sana-1.6b": "SanaPipeline",
@@ -39,7 +42,9 @@ LAYOUT = {
     "sana-1.6b": {"scheduler", "text_encoder", "tokenizer", "transformer", "vae"},
     "qwen-image": {"scheduler", "text_encoder", "tokenizer", "transformer", "vae"},
 }  # fmt: skip
-LAYOUT["flux.1-schnell"] = LAYOUT["flux.1-dev"]
+LAYOUT["flux.1-schnell"] = LAYOUT["flux.1-kontext-dev"] = LAYOUT["flux.1-dev"]
+LAYOUT["wan2.2-ti2v-5b"] = LAYOUT["wan2.1-t2v"]
+LAYOUT["wan2.2-t2v-a14b"] = {*LAYOUT["wan2.1-t2v"], "transformer_2"}  # the low-noise expert
 # the files each tokenizer class's hub folder has
 TOKENIZER_FILES = {
     "CLIPTokenizer": {"vocab.json", "merges.txt"},
@@ -97,6 +102,14 @@ SCHEDULERS = {
     "wan2.1-t2v": ("UniPCMultistepScheduler",
                    {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
                     "flow_shift": 3.0, "solver_order": 2, "solver_type": "bh2"}),
+    "wan2.2-t2v-a14b": ("UniPCMultistepScheduler",
+                        {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                         "flow_shift": 3.0}),
+    "wan2.2-ti2v-5b": ("UniPCMultistepScheduler",
+                       {"prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                        "flow_shift": 5.0}),
+    "flux.1-kontext-dev": ("FlowMatchEulerDiscreteScheduler",
+                           {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}),
     "sd1.5": ("PNDMScheduler",
               {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
                "skip_prk_steps": True, "set_alpha_to_one": False, "steps_offset": 1}),
@@ -121,6 +134,9 @@ VAES = {
     "sdxl": {"scaling_factor": 0.13025, "latent_channels": 4, "force_upcast": True},
     "sana-1.6b": {"scaling_factor": 0.41407, "latent_channels": 32},
     "qwen-image": {"z_dim": 16, "temperal_downsample": [False, True, True]},
+    "wan2.2-t2v-a14b": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4},
+    "wan2.2-ti2v-5b": {"z_dim": 48, "is_residual": True, "patch_size": 2,
+                       "scale_factor_spatial": 16, "scale_factor_temporal": 4},
 }  # fmt: skip
 
 
@@ -153,6 +169,12 @@ CALLS = {
     "flux.1-schnell": dict(height=32, width=32, guidance_scale=0.0, max_sequence_length=16),
     "wan2.1-t2v": dict(height=32, width=32, num_frames=5, guidance_scale=5.0,
                        max_sequence_length=16),
+    "wan2.2-t2v-a14b": dict(height=32, width=32, num_frames=5, guidance_scale=4.0,
+                            guidance_scale_2=3.0, max_sequence_length=16),
+    "wan2.2-ti2v-5b": dict(height=32, width=32, num_frames=5, guidance_scale=5.0,
+                           max_sequence_length=16),
+    "flux.1-kontext-dev": dict(height=32, width=32, max_area=32 * 32, guidance_scale=2.5,
+                               max_sequence_length=16, _auto_resize=False),
     "sd1.5": dict(height=64, width=64, guidance_scale=7.5),
     "sdxl": dict(height=64, width=64, guidance_scale=5.0),
     "sana-1.6b": dict(height=64, width=64, guidance_scale=4.5, max_sequence_length=16,
@@ -176,12 +198,16 @@ def test_loads_as_its_pipeline_and_runs_two_steps(replica, name):
               generator=torch.Generator().manual_seed(0))  # fmt: skip
     if name == "sd1.5":  # the safety checker runs on the output (random weights: may black out)
         assert pipe.safety_checker is not None and pipe.feature_extractor is not None
+    if name == "flux.1-kontext-dev":  # the reference image to edit
+        kw["image"] = torch.rand(1, 3, 32, 32)
     out = pipe(prompt="a red bicycle leaning against a brick wall", **kw)
     images = out.frames if name == "wan2.1-t2v" else out.images
     images = torch.as_tensor(images).float()
+    images = out.frames if name.startswith("wan") else out.images
+    images = torch.as_tensor(images)
     assert torch.isfinite(images).all()
     side = CALLS[name]["height"]
-    if name == "wan2.1-t2v":  # [B, F, 3, H, W]
+    if name.startswith("wan"):  # [B, F, 3, H, W]
         assert images.shape == (1, 5, 3, side, side)
     else:
         assert images.shape == (1, 3, side, side)

@@ -190,6 +190,12 @@ class DiffusionConfig(Section):
     guidance_scale: float = Field(
         1.0, ge=1, description="Classifier-free guidance scale at rollout (1.0: no CFG)."
     )
+    guidance_scale_2: float | None = Field(
+        None,
+        ge=1,
+        description="A two-expert pipeline (Wan 2.2 A14B): the low-noise expert's (transformer_2) "
+        "guidance scale, as WanPipeline's guidance_scale_2; None: guidance_scale.",
+    )
     train_guidance: Literal["same", "none"] = Field(
         "same",
         description="same: training recomputes the CFG'd velocity as in the rollout; none: the "

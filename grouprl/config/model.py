@@ -151,10 +151,12 @@ class ImageModelConfig(Section):
     module_options: dict[str, Any] = Field(
         default_factory=dict, description="User velocity module: constructor keyword arguments."
     )
-    condition: Literal["prompt", "class_label"] = Field(
+    condition: Literal["prompt", "class_label", "prompt_image"] = Field(
         "prompt",
         description="prompt: text embeddings of the example's prompt (cached); class_label: the "
-        "example's class_label column (class-conditional user modules).",
+        "example's class_label column (class-conditional user modules); prompt_image: the prompt "
+        "and the example's `image` column (a PIL image or bytes, e.g. a hub dataset's Image "
+        "feature) as the reference image every step sees (FLUX.1 Kontext pipelines).",
     )
     null_label: int | None = Field(
         None, ge=0, description="class_label: the model's 'no class' id (needed for CFG)."
@@ -167,6 +169,13 @@ class ImageModelConfig(Section):
     )
     max_sequence_length: int | None = Field(
         None, ge=1, description="T5 prompt length (None: the pipeline's default)."
+    )
+    experts: Literal["both", "high_noise", "low_noise"] = Field(
+        "both",
+        description="A two-expert pipeline (Wan 2.2 A14B: transformer_2 and boundary_ratio): which "
+        "experts train. both; high_noise (transformer, the steps at or above the boundary; "
+        "transformer_2 frozen); low_noise (transformer_2, the steps below it; transformer "
+        "frozen). A frozen expert still draws its steps. Only for two-expert pipelines.",
     )
 
 

@@ -31,6 +31,22 @@ builds in a few seconds). Weights are random (seeded, so a folder is the same on
                   8x in space; Wan's latents_mean / latents_std), UniPCMultistepScheduler
                   (prediction_type flow_prediction, use_flow_sigmas True, flow_shift 3.0, solver_order
                   2, bh2, linspace spacing, final_sigmas_type zero), UMT5EncoderModel + T5TokenizerFast.
+  wan2.2-t2v-a14b Wan-AI/Wan2.2-T2V-A14B-Diffusers (WanPipeline with two experts): `transformer`
+                  (high noise) and `transformer_2` (low noise), two WanTransformer3DModel of one
+                  config (in_channels 16, as Wan 2.1 14B's blocks) with different weights;
+                  model_index.json boundary_ratio 0.875 (Wan 2.2's t2v-A14B switch point) and
+                  expand_timesteps false; Wan 2.1's VAE (z_dim 16, 8x / 4x) and the UniPC flow
+                  scheduler and UMT5 text side of wan2.1-t2v.
+  wan2.2-ti2v-5b  Wan-AI/Wan2.2-TI2V-5B-Diffusers (WanPipeline, one transformer): in_channels 48,
+                  model_index.json expand_timesteps true (timesteps per latent token), boundary_ratio
+                  null; the Wan 2.2 VAE: AutoencoderKLWan z_dim 48, is_residual, patch_size 2
+                  (in / out channels 12), scale_factor_spatial 16, scale_factor_temporal 4, the
+                  real 48-channel latents_mean / latents_std; UniPC flow scheduler with flow_shift
+                  5.0 (Wan 2.2 TI2V's sample_shift).
+  flux.1-kontext-dev  black-forest-labs/FLUX.1-Kontext-dev (FluxKontextPipeline): the FLUX.1-dev
+                  components and scheduler under the Kontext pipeline class (the reference image's
+                  latents join the sequence at run time; nothing in the folder differs but the
+                  class, as on the hub).
   sd1.5           stable-diffusion-v1-5/stable-diffusion-v1-5 (StableDiffusionPipeline):
                   UNet2DConditionModel (3 CrossAttnDownBlock2D + DownBlock2D, UpBlock2D + 3
                   CrossAttnUpBlock2D, 4 latent channels), AutoencoderKL (scaling_factor 0.18215, quant
@@ -361,6 +377,85 @@ def build_wan21_t2v(folder: str | Path) -> Path:
     return _save(pipe, Path(folder), {"tokenizer": "T5TokenizerFast"})
 
 
+def _wan_transformer(in_channels: int, seed: int) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    return _seeded(seed, lambda: WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=in_channels, out_channels=in_channels, text_dim=96, freq_dim=256, ffn_dim=32,
+        num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        rope_max_seq_len=32,
+    ))  # fmt: skip
+
+
+def build_wan22_t2v_a14b(folder: str | Path) -> Path:
+    """Wan 2.2 T2V A14B replica: two experts and the boundary (module docstring)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    tok = t5_tokenizer()
+    vae = _seeded(SEED + 1, lambda: AutoencoderKLWan(
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ))  # fmt: skip
+    pipe = WanPipeline(
+        tokenizer=tok, text_encoder=t5_encoder(tok, 96, umt5=True, seed=SEED + 2),
+        transformer=_wan_transformer(16, SEED), transformer_2=_wan_transformer(16, SEED + 5),
+        vae=vae, scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), boundary_ratio=0.875,
+        expand_timesteps=False,
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "T5TokenizerFast"})
+
+
+# Wan 2.2's VAE (z_dim 48) per-channel latent statistics, as its vae/config.json
+WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+]  # fmt: skip
+WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+]  # fmt: skip
+
+
+def build_wan22_ti2v_5b(folder: str | Path) -> Path:
+    """Wan 2.2 TI2V 5B replica: 48-channel latents, expanded timesteps (module docstring)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    tok = t5_tokenizer()
+    vae = _seeded(SEED + 1, lambda: AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+        out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD,
+    ))  # fmt: skip
+    pipe = WanPipeline(
+        tokenizer=tok, text_encoder=t5_encoder(tok, 96, umt5=True, seed=SEED + 2),
+        transformer=_wan_transformer(48, SEED), vae=vae,
+        scheduler=UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 5.0}),
+        expand_timesteps=True,
+    )  # fmt: skip
+    return _save(pipe, Path(folder), {"tokenizer": "T5TokenizerFast"})
+
+
+def build_flux_kontext_dev(folder: str | Path) -> Path:
+    """FLUX.1 Kontext [dev] replica (module docstring): FLUX.1-dev's parts, Kontext's class."""
+    from diffusers import FluxKontextPipeline, FluxPipeline
+
+    path = _flux(folder, True, FLUX_DEV_SCHEDULER)
+    pipe = FluxPipeline.from_pretrained(path)
+    kontext = FluxKontextPipeline(**pipe.components)
+    return _save(kontext, Path(folder), {"tokenizer": "CLIPTokenizer",
+                                         "tokenizer_2": "T5TokenizerFast"})  # fmt: skip
+
+
 SD15_SCHEDULER = {
     "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
     "beta_schedule": "scaled_linear", "skip_prk_steps": True, "set_alpha_to_one": False,
@@ -448,6 +543,9 @@ DIFFUSION_REPLICAS: dict[str, Callable[[str | Path], Path]] = {
     "flux.1-dev": build_flux_dev,
     "flux.1-schnell": build_flux_schnell,
     "wan2.1-t2v": build_wan21_t2v,
+    "wan2.2-t2v-a14b": build_wan22_t2v_a14b,
+    "wan2.2-ti2v-5b": build_wan22_ti2v_5b,
+    "flux.1-kontext-dev": build_flux_kontext_dev,
     "sd1.5": build_sd15,
     "pickscore": build_pickscore,
     "clip-vit-large-patch14": build_clip_large,

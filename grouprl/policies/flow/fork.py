@@ -113,16 +113,13 @@ def sample_tree_groups(
         )
     gids = gids0.repeat_interleave(g)  # [N] leaves, consecutive per group
     n = len(gids)
-    sched = rules.set_timesteps(k_steps)
-    cols = {
-        k: v.to(dev)[None].expand(n, -1).contiguous() for k, v in sched.items() if v is not None
-    }  # [N, K+1] each
+    cols = policy.schedule_columns(k_steps, n)  # [N, K+1] each ("expert": [N, K])
     seed = int(torch.randint(2**62, (1,), generator=generator, device=gen_device(generator)))
     sel = select_steps(policy.steps, k_steps, gids, generator=torch.Generator().manual_seed(seed),
                        optimizer_step=optimizer_step)  # fmt: skip
     leaf_train, leaf_stoch = sel.train.to(dev), sel.stochastic.to(dev)  # [N, K] each
     gs = policy.guidance_scale if guidance_scale is None else float(guidance_scale)
-    gscale = torch.full((n,), gs, device=dev)  # [N]
+    gscale = policy.guidance_columns(n, gs)  # [N] ([N, 2] for two experts)
     cond_n = cond.repeat(g).to(dev)  # [N] rows, the leaves'
     # a row of depth-1 nodes per group member of the first depth (as flat: one noise per row)
     gids1 = gids0.repeat_interleave(branching[0])  # [B * b_1]

@@ -141,9 +141,13 @@ def lora_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def save_lora(
-    model: torch.nn.Module, family: Family, settings: LoRASettings, directory: Path
-) -> Path:
-    """Write directory/pytorch_lora_weights.safetensors in the diffusers LoRA format."""
+    model: torch.nn.Module, family: Family, settings: LoRASettings, directory: Path,
+    weight_name: str = LORA_FILE,
+) -> Path:  # fmt: skip
+    """Write directory/<weight_name> (pytorch_lora_weights.safetensors) in the diffusers LoRA
+    format. A second expert's file (weight_name of experts.lora_file) holds the same
+    "transformer." keys: diffusers loads it with load_lora_weights(..., weight_name=...,
+    load_into_transformer_2=True)."""
     state = lora_state_dict(model)
     meta = _peft_config(settings).to_dict()
     if not isinstance(meta["target_modules"], str):
@@ -157,7 +161,7 @@ def save_lora(
             directory,
             **{f"{family.folder}_lora_layers": state,
                f"{family.folder}_lora_adapter_metadata": meta},
-            weight_name=LORA_FILE,
+            weight_name=weight_name,
         )  # fmt: skip
     else:
         from safetensors.torch import save_file
@@ -165,19 +169,20 @@ def save_lora(
         prefixed = {f"{family.folder}.{k}": v for k, v in state.items()}
         packed = {f"{family.folder}.{k}": v for k, v in meta.items()}
         metadata = {"format": "pt", _METADATA_KEY: json.dumps(packed, sort_keys=True, default=list)}
-        save_file(prefixed, str(directory / LORA_FILE), metadata=metadata)
-    return directory / LORA_FILE
+        save_file(prefixed, str(directory / weight_name), metadata=metadata)
+    return directory / weight_name
 
 
 def load_lora(
-    model: torch.nn.Module, family: Family, settings: LoRASettings, directory: Path
-) -> None:
+    model: torch.nn.Module, family: Family, settings: LoRASettings, directory: Path,
+    weight_name: str = LORA_FILE,
+) -> None:  # fmt: skip
     """Load save_lora's file into the model's adapter; keys, shapes and alpha must all match."""
     from safetensors import safe_open
 
-    path = Path(directory) / LORA_FILE
+    path = Path(directory) / weight_name
     if not path.is_file():
-        raise FileNotFoundError(f"no {LORA_FILE} in {str(directory)!r}")
+        raise FileNotFoundError(f"no {weight_name} in {str(directory)!r}")
     prefix = f"{family.folder}."
     with safe_open(str(path), framework="pt") as f:
         saved = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

@@ -8,6 +8,15 @@ the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
            with image ids (0, row, col) and zero text ids, timestep = (sigma * 1000) / 1000, and the
            guidance embedding (a per-sample scale) when the config has guidance_embeds (FluxPipeline).
 - "wan"    WanTransformer3DModel: 5-D video latents [B, C, F, H, W], timestep = sigma * 1000.
+- "wan_expand"  the same transformer in a pipeline with `expand_timesteps` (Wan 2.2 TI2V-5B): the
+           timestep goes in per latent token, [B, F * (H / p_h) * (W / p_w)] (WanPipeline's
+           expanded timesteps; every token shares the step's time in text-to-video).
+- "flux_kontext"  the FLUX transformer of FluxKontextPipeline (image-conditioned): the reference
+           image's latents cond["image_latents"] [B, C, h, w] are packed the same way and joined
+           after the generated latents' tokens, their ids (1, row, col) (the first id 1 tells them
+           apart), and only the generated tokens' prediction is kept.
+A two-expert denoiser (experts.DenoiserExperts, Wan 2.2 A14B) has its experts' family; the policy
+calls one expert per step (policy.py).
 - "module" any nn.Module velocity model: `model(x, sigma, **cond) -> v` with x [B, ...] in the
            model's dtype, sigma Float[B] in [0, 1] (1 = pure noise) and cond the conditioning tensors
            of the batch (e.g. class_labels Long[B] or prompt_embeds [B, L, D]); returns v ~ eps - x0
@@ -30,7 +39,8 @@ the latent layout (velocity for flow models, epsilon for the SD 1.x UNet):
            rescaled to the conditional one's norm).
 Conditioning keys (FlowCondition): prompt_embeds [B, L, D], pooled_prompt_embeds [B, P],
 prompt_attention_mask / prompt_embeds_mask Long[B, L] (SANA / Qwen-Image), text_embeds [B, P] and
-time_ids [B, 6] (SDXL), or for "module" any keys the model accepts. Classifier-free guidance
+time_ids [B, 6] (SDXL), image_latents [B, C, h, w] (flux_kontext: the reference image, VAE-encoded by
+encode_kl), or for "module" any keys the model accepts. Classifier-free guidance
 batches [negative; positive] in one forward and returns uncond + scale (cond - uncond), as the
 diffusers pipelines do (or the family's own `guide`).
 
@@ -108,21 +118,38 @@ def flux_image_ids(h: int, w: int, device, dtype) -> Tensor:
     return ids.reshape(-1, 3)
 
 
-def _flux(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
-    h, w = x.shape[-2:]
+def _flux_tokens(model, tokens, ids, *, timestep, cond, guidance) -> Tensor:
+    """One FLUX transformer call on packed tokens [B, T, 4C] with their ids [T, 3]."""
     text = cond["prompt_embeds"]  # [B, L, D]
     g = None
     if getattr(model.config, "guidance_embeds", False):
         if guidance is None:
             raise ValueError("this FLUX transformer has guidance_embeds: pass a guidance scale")
-        g = guidance.to(device=x.device, dtype=torch.float32)  # [B]
-    out = model(
-        hidden_states=pack_flux(x), timestep=timestep / 1000, guidance=g,
+        g = guidance.to(device=tokens.device, dtype=torch.float32)  # [B]
+    return model(
+        hidden_states=tokens, timestep=timestep / 1000, guidance=g,
         pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=text,
-        txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=text.dtype),
-        img_ids=flux_image_ids(h, w, x.device, x.dtype), return_dict=False,
-    )[0]  # fmt: skip  # [B, HW/4, 4C]
-    return unpack_flux(out, h, w)
+        txt_ids=torch.zeros(text.shape[1], 3, device=tokens.device, dtype=text.dtype),
+        img_ids=ids, return_dict=False,
+    )[0]  # fmt: skip  # [B, T, 4C]
+
+
+def _flux(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    ids = flux_image_ids(h, w, x.device, x.dtype)  # [HW/4, 3]
+    out = _flux_tokens(model, pack_flux(x), ids, timestep=timestep, cond=cond, guidance=guidance)
+    return unpack_flux(out, h, w)  # [B, C, H, W]
+
+
+def _flux_kontext(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    h, w = x.shape[-2:]
+    ref = cond["image_latents"].to(x.dtype)  # [B, C, h_r, w_r]
+    ref_ids = flux_image_ids(*ref.shape[-2:], x.device, x.dtype)  # [h_r w_r / 4, 3]
+    ref_ids[:, 0] = 1  # FluxKontextPipeline: the reference image's tokens
+    tokens = torch.cat([pack_flux(x), pack_flux(ref)], 1)  # [B, HW/4 + h_r w_r / 4, 4C]
+    ids = torch.cat([flux_image_ids(h, w, x.device, x.dtype), ref_ids])  # [T, 3]
+    out = _flux_tokens(model, tokens, ids, timestep=timestep, cond=cond, guidance=guidance)
+    return unpack_flux(out[:, : (h // 2) * (w // 2)], h, w)  # [B, C, H, W] generated tokens only
 
 
 def _wan(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
@@ -130,6 +157,18 @@ def _wan(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
         raise ValueError(f"Wan latents must be [B, C, F, H, W], got {tuple(x.shape)}")
     return model(
         hidden_states=x, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
+        return_dict=False,
+    )[0]  # fmt: skip
+
+
+def _wan_expand(model, x, *, sigma, timestep, cond, guidance) -> Tensor:
+    if x.dim() != 5:
+        raise ValueError(f"Wan latents must be [B, C, F, H, W], got {tuple(x.shape)}")
+    p_t, p_h, p_w = model.config.patch_size
+    tokens = (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+    per_token = timestep[:, None].expand(-1, tokens)  # [B, tokens]
+    return model(
+        hidden_states=x, timestep=per_token, encoder_hidden_states=cond["prompt_embeds"],
         return_dict=False,
     )[0]  # fmt: skip
 
@@ -221,7 +260,11 @@ FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", _sd3, _JOINT, "StableDiffusion3Pipeline", "transformer"),
     "flux": Family("flux", _flux, _JOINT, "FluxPipeline", "transformer", sigma_spacing="linear",
                    packed_2x2=True),
+    "flux_kontext": Family("flux_kontext", _flux_kontext, _JOINT, "FluxKontextPipeline",
+                           "transformer", sigma_spacing="linear", packed_2x2=True),
     "wan": Family("wan", _wan, _ATTN, "WanPipeline", "transformer", video=True),
+    "wan_expand": Family("wan_expand", _wan_expand, _ATTN, "WanPipeline", "transformer",
+                         video=True),
     "module": Family("module", _module, _ATTN, None, "transformer"),
     "unet": Family("unet", _unet, _ATTN, "StableDiffusionPipeline", "unet"),
     "sana": Family("sana", _sana, _ATTN, "SanaPipeline", "transformer"),
@@ -229,6 +272,8 @@ FAMILIES: dict[str, Family] = {
                         sigma_spacing="linear", packed_2x2=True, guide=_qwenimage_guide),
 }
 # fmt: on
+
+IMAGE_CONDITIONED = ("flux_kontext",)  # families that take cond["image_latents"] (a reference)
 
 _BY_CLASS = {
     "SD3Transformer2DModel": "sd3",
@@ -241,7 +286,12 @@ _BY_CLASS = {
 
 
 def family_of(model: Any, family: str | None = None) -> Family:
-    """The Family named `family`, or the one of model's class (any other nn.Module: "module")."""
+    """The Family named `family`, or the one of model's class (any other nn.Module: "module");
+    a two-expert denoiser has its experts' family."""
+    from grouprl.policies.flow.experts import DenoiserExperts
+
+    if isinstance(model, DenoiserExperts):
+        model = model.expert(0)
     if family is None:
         family = _BY_CLASS.get(type(model).__name__, "module")
         if family == "module" and not isinstance(model, torch.nn.Module):
@@ -306,7 +356,11 @@ def _cast(cond: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
 def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None = None,
                      family: str | None = None) -> tuple[int, ...]:  # fmt: skip
     """(C, h, w) latents of an image (C, f, h, w for video) for a diffusers denoiser and VAE."""
+    from grouprl.policies.flow.experts import DenoiserExperts
+
     fam = family_of(model, family)
+    if isinstance(model, DenoiserExperts):
+        model = model.expert(0)  # the experts share their latent layout
     spatial, temporal = vae_scale(vae)
     if fam.name == "module":
         raise ValueError(
@@ -320,6 +374,25 @@ def latent_shape_for(model, vae, height: int, width: int, num_frames: int | None
             raise ValueError("latent_shape_for: a video model needs num_frames")
         return channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial
     return channels, height // spatial, width // spatial
+
+
+# ---- encoding (reference images) ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_kl(vae: Any, pixels: Tensor) -> Tensor:
+    """Latents [N, C, h, w] of images Float[N, 3, H, W] in [-1, 1] through an AutoencoderKL, as
+    FluxKontextPipeline encodes its reference image: the posterior's mode (sample_mode "argmax"),
+    then (z - shift_factor) * scaling_factor."""
+    if vae is None or type(vae).__name__ != "AutoencoderKL":
+        raise ValueError(
+            f"reference images are encoded with an AutoencoderKL; this policy's VAE is "
+            f"{type(vae).__name__}"
+        )
+    x = pixels.to(compute_dtype_of(vae))  # [N, 3, H, W]
+    z = vae.encode(x).latent_dist.mode().float()  # [N, C, h, w]
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (z - shift) * vae.config.scaling_factor
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -386,11 +459,14 @@ def decoder_of(vae: Any) -> str:
 
 
 def vae_scale(vae: Any) -> tuple[int, int]:
-    """(spatial, temporal) down-sampling factors of a VAE (1, 1 for pixel space)."""
+    """(spatial, temporal) down-sampling factors of a VAE (1, 1 for pixel space). AutoencoderKLWan
+    states them in its config (WanPipeline reads scale_factor_spatial / _temporal): 8 and 4 for
+    Wan 2.1's VAE, 16 and 4 for Wan 2.2's (z_dim 48, patch 2), which its down-sampling levels
+    alone do not show."""
     if vae is None:
         return 1, 1
     if type(vae).__name__ == "AutoencoderKLWan":
-        return 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+        return int(vae.config.scale_factor_spatial), int(vae.config.scale_factor_temporal)
     if type(vae).__name__ == "AutoencoderKLQwenImage":  # images only (QwenImagePipeline's factor)
         return 2 ** len(vae.temperal_downsample), 1
     if type(vae).__name__ == "AutoencoderDC":  # SanaPipeline's vae_scale_factor

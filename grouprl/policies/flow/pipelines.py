@@ -44,6 +44,7 @@ class SupportedPipeline:
 SUPPORTED_PIPELINES: dict[str, SupportedPipeline] = {
     "StableDiffusion3Pipeline": SupportedPipeline("sd3", "flow", "transformer", "sd3"),
     "FluxPipeline": SupportedPipeline("flux", "flow", "transformer", "flux"),
+    "FluxKontextPipeline": SupportedPipeline("flux_kontext", "flow", "transformer", "flux_kontext"),
     "WanPipeline": SupportedPipeline("wan", "flow", "transformer", "wan"),
     "SanaPipeline": SupportedPipeline("sana", "flow", "transformer", "sana"),
     "QwenImagePipeline": SupportedPipeline("qwenimage", "flow", "transformer", "qwenimage"),

@@ -9,12 +9,14 @@ Public API (everything a loop or a user touches):
              lora=None, rollout_steps=10, eval_steps=40, guidance_scale=1.0,
              embedded_guidance=3.5, train_cfg="same", steps=None, initial_noise="independent",
              pixel_range="zero_one", compute_dtype=None, gradient_checkpointing=False,
-             pipeline_source=None,
+             pipeline_source=None, guidance_scale_2=None,
              scheduler_config=None, sampler=None, noise_level=None, kl_form=None,
              sigma_spacing=None)   the last five build the default rules (rules=None only)
   .rules                                                the step rules (rules.py): set_timesteps,
                                                         step, kl_var; FlowMatchRules or DDIMRules
   .encode(prompts) -> FlowCondition                     cached text embeddings (needs prompt_encoder)
+  .with_reference_images(cond, images) -> FlowCondition  adds the reference images' latents
+                                                        (FLUX.1 Kontext: cond["image_latents"])
   .sample(cond | prompts, group_size, *, steps=None, mode="rollout"|"eval", generator=None,
           group_ids=None, optimizer_step=0, guidance_scale=None, chunk_size=None,
           store_means=False) -> Rollout                 actions=FlowBatch, old_logp [N, K], mask
@@ -51,6 +53,11 @@ Choices and deviations:
 - gradient_checkpointing turns on diffusers' own block checkpointing of the denoiser (an error for
   a model without it). pipeline_source: the pipeline folder / hub id the model came from; a full
   model is then saved as a complete pipeline folder (pipeline_folder.py).
+- Two experts (Wan 2.2 A14B, experts.py): `model` is a DenoiserExperts; each step runs the expert
+  WanPipeline's switch rule picks from its sigma, with guidance_scale (high-noise expert) or
+  guidance_scale_2 (low-noise expert; None: guidance_scale), the batch records the expert per step
+  (FlowBatch.expert) and re-scoring calls that expert. The experts' LoRA / full weights, the
+  reference and the old weights are the container's, so they cover both experts.
 - The reference (a frozen copy made on first use, or the adapter bypassed under LoRA) and the
   "old" weights of DiffusionNFT / AWM: weights.py. Sampling: sampling.py; the schedule, one step
   and the KL variance: rules.py; forward noising (velocity rules only): noising.py.
@@ -70,13 +77,17 @@ import torch
 from torch import Tensor
 
 from grouprl.policies.flow import lora as flow_lora
+from grouprl.policies.flow.experts import DenoiserExperts, unused_zero
 from grouprl.policies.flow.gaussian import gaussian_mean_kl
 from grouprl.policies.flow.models import (
     DECODERS,
+    IMAGE_CONDITIONED,
     decoder_of,
+    encode_kl,
     family_of,
     latent_shape_for,  # re-exported (public API)
     predict,
+    vae_scale,
 )
 from grouprl.policies.flow.noising import forward_noising
 from grouprl.policies.flow.pipeline_folder import complete_pipeline
@@ -136,6 +147,7 @@ class FlowPolicy:
         compute_dtype: torch.dtype | str | None = None,
         gradient_checkpointing: bool = False,
         pipeline_source: str | None = None,
+        guidance_scale_2: float | None = None,
         scheduler_config: dict | None = None,
         sampler: str | None = None,
         noise_level: float | None = None,
@@ -162,7 +174,8 @@ class FlowPolicy:
         self.weights = FlowWeights(model, self.family, self.lora)  # trainable: float32 masters
         self.lora_targets = self.weights.lora_targets  # None without LoRA
         if gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+            for net in model.experts.values() if isinstance(model, DenoiserExperts) else [model]:
+                enable_gradient_checkpointing(net)
         self.model, self.vae, self.prompt_encoder = model, vae, prompt_encoder
         self.decoder = decoder_of(vae)
         self.latent_shape = tuple(int(s) for s in latent_shape)
@@ -193,6 +206,13 @@ class FlowPolicy:
             float(guidance_scale),
             float(embedded_guidance),
         )
+        if guidance_scale_2 is not None and not isinstance(model, DenoiserExperts):
+            raise ValueError(
+                "guidance_scale_2 (diffusion.guidance_scale_2) is the low-noise expert's guidance "
+                "scale: this model has one denoiser; remove it (it is for two-expert pipelines "
+                "such as Wan 2.2 A14B)"
+            )
+        self.guidance_scale_2 = None if guidance_scale_2 is None else float(guidance_scale_2)
         self.train_cfg, self.pixel_range = train_cfg, pixel_range
         self.steps = (
             steps
@@ -216,16 +236,80 @@ class FlowPolicy:
             )
         return self.prompt_encoder(prompts, device=self.device)
 
+    def with_reference_images(self, cond: FlowCondition, images: list[Any]) -> FlowCondition:
+        """cond plus "image_latents" [B, C, h, w] in both branches: each PIL image resized to the
+        generated size by the pipeline's own VaeImageProcessor (FluxKontextPipeline with
+        _auto_resize off and an image of that size: resize, [-1, 1]) and encoded by encode_kl.
+        FluxKontextPipeline's true CFG keeps the reference in its negative branch as well."""
+        if self.family.name not in IMAGE_CONDITIONED:
+            raise ValueError(
+                f"family {self.family.name!r} takes no reference image; image-conditioned "
+                f"families: {list(IMAGE_CONDITIONED)}"
+            )
+        if len(images) != len(cond):
+            raise ValueError(f"{len(images)} reference images for {len(cond)} condition rows")
+        from diffusers.image_processor import VaeImageProcessor
+
+        spatial = vae_scale(self.vae)[0]
+        height, width = self.latent_shape[-2] * spatial, self.latent_shape[-1] * spatial
+        pixels = VaeImageProcessor(vae_scale_factor=spatial * 2).preprocess(
+            images, height, width
+        )  # [B, 3, H, W] in [-1, 1]
+        with compute(compute_dtype_of(self.vae), self.device):
+            latents = encode_kl(self.vae, pixels.to(self.device))  # [B, C, h, w]
+        embeds = {**cond.embeds, "image_latents": latents}
+        negative = None if cond.negative is None else {**cond.negative, "image_latents": latents}
+        return FlowCondition(embeds, negative)
+
     def predict(self, model, x, cols, k, cond: FlowCondition, gscale: Tensor) -> Tensor:
         """The denoiser `model` (this policy's, or its reference / old copy) at x [B, *latent],
-        slot k of the schedule columns cols [B, K+1], with guidance scales gscale [B]."""
+        slot k of the schedule columns cols [B, K+1], with guidance scales gscale [B] (two
+        experts: [B, 2], one per expert, or [B] for both). Two experts: the expert of cols["expert"]
+        [B, K] when given (a stored step), else the one the switch rule picks from the sigma."""
+        sigma, timestep = cols["sigmas"][:, k], cols["timesteps"][:, k]  # [B] each
+        if not isinstance(model, DenoiserExperts):
+            return self._predict_one(model, x, sigma, timestep, cond, gscale)
+        if "expert" in cols:
+            idx = cols["expert"][:, k]  # [B]
+        else:
+            idx = model.expert_index(sigma)  # [B]
+        gs = gscale if gscale.dim() == 1 else gscale.gather(1, idx[:, None])[:, 0]  # [B]
+
+        def call(net: Any, rows: Tensor | None) -> Tensor:
+            if rows is None:
+                return self._predict_one(net, x, sigma, timestep, cond, gs)
+            return self._predict_one(net, x[rows], sigma[rows], timestep[rows],
+                                     _cond_rows(cond, rows), gs[rows])  # fmt: skip
+
+        return model.route(idx, call)  # [B, *latent] float32
+
+    def _predict_one(self, net, x, sigma, timestep, cond: FlowCondition, gscale) -> Tensor:
         emb = torch.full_like(gscale, self.embedded_guidance)  # [B] FLUX guidance embedding
         with compute(self.compute_dtype, x.device):
             return predict(
-                self.family, model, x, sigma=cols["sigmas"][:, k], timestep=cols["timesteps"][:, k],
-                cond=cond.embeds, negative=cond.negative, guidance_scale=gscale, guidance=emb,
+                self.family, net, x, sigma=sigma, timestep=timestep, cond=cond.embeds,
+                negative=cond.negative, guidance_scale=gscale, guidance=emb,
                 dtype=self.compute_dtype,
             )  # fmt: skip  # [B, *latent] float32
+
+    def schedule_columns(self, num_steps: int, n: int) -> dict[str, Tensor]:
+        """The rules' schedule for num_steps as per-row columns [n, K+1] on the policy's device;
+        two experts add "expert" [n, K], the expert that runs each step (WanPipeline's rule)."""
+        sched = self.rules.set_timesteps(num_steps)
+        cols = {k: v.to(self.device)[None].expand(n, -1).contiguous()
+                for k, v in sched.items() if v is not None}  # fmt: skip
+        if isinstance(self.model, DenoiserExperts):
+            cols["expert"] = self.model.expert_index(cols["sigmas"][:, :-1])  # [n, K]
+        return cols
+
+    def guidance_columns(self, n: int, scale: float) -> Tensor:
+        """Per-row guidance scales: [n]; two experts [n, 2] (scale for the high-noise expert,
+        guidance_scale_2 or else the same scale for the low-noise one, as WanPipeline)."""
+        gs = torch.full((n,), float(scale), device=self.device)  # [n]
+        if not isinstance(self.model, DenoiserExperts):
+            return gs
+        low = scale if self.guidance_scale_2 is None else self.guidance_scale_2
+        return torch.stack([gs, torch.full_like(gs, low)], 1)  # [n, 2]
 
     def sample(self, cond: FlowCondition | list[str], group_size: int, **options: Any) -> Rollout:
         """group_size trajectories per condition row (consecutive rows); rewards are left empty.
@@ -270,6 +354,14 @@ class FlowPolicy:
         logp, mean, std = score_chain(
             partial(self.predict, model), self.rules.step, batch, gscale, steps
         )
+        if isinstance(model, DenoiserExperts) and torch.is_grad_enabled():
+            # the experts this pass scored with; the others' trainable weights join with a zero
+            scored = batch.train_mask.any(0)  # [K]
+            if steps is not None:
+                scored &= torch.isin(torch.arange(len(scored), device=scored.device),
+                                     torch.as_tensor(steps, device=scored.device))  # fmt: skip
+            used = set(batch.expert[:, scored].unique().tolist())
+            logp = logp + unused_zero(model, used).to(logp.device)  # [n, K]
         extras = {"mean": mean, "std": std, "kl_var": self.rules.kl_var(batch, std)}
         return PolicyOutput(logp=logp, entropy=None, extras=extras)
 
@@ -358,14 +450,17 @@ class FlowPolicy:
         folder: model_index.json and every other component (pipeline_folder.py)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.weights.save(directory, merge_lora)
+        folders = self.weights.save(directory, merge_lora)
         from_pipeline = self.pipeline_source is not None and self.lora is None
         written = self.rules.save_scheduler(directory, from_pipeline)
         if self.pipeline_source is not None and (self.lora is None or merge_lora):
             # a full model: a whole pipeline folder that DiffusionPipeline.from_pretrained loads
-            complete_pipeline(self.pipeline_source, directory, {self.family.folder, *written})
+            complete_pipeline(self.pipeline_source, directory, {*folders, *written})
         meta = {"family": self.family.name, "latent_shape": list(self.latent_shape),
                 "lora": None if self.lora is None else asdict(self.lora)}  # fmt: skip
+        if isinstance(self.model, DenoiserExperts):
+            meta["experts"] = {"names": list(self.model.names), "trained": list(self.model.trained),
+                               "boundary_ratio": self.model.boundary_ratio}  # fmt: skip
         (directory / "grouprl_flow.json").write_text(json.dumps(meta, indent=2))
         return directory
 
@@ -394,3 +489,14 @@ def default_rules(
         sigma_spacing=sigma_spacing or family.sigma_spacing, kl_form=kl_form or "flow_grpo",
         image_seq_len=image_seq_len(family, model, latent_shape),
     )  # fmt: skip
+
+
+def _cond_rows(cond: FlowCondition, rows: Tensor) -> FlowCondition:
+    """The rows Bool[B] of a condition; a one-row negative (shared by every row) stays as is."""
+    n = len(cond)
+
+    def take(v: Tensor) -> Tensor:
+        return v if v.shape[0] == 1 and n != 1 else v[rows]
+
+    neg = None if cond.negative is None else {k: take(v) for k, v in cond.negative.items()}
+    return FlowCondition({k: v[rows] for k, v in cond.embeds.items()}, neg)

@@ -76,9 +76,10 @@ class StepRules(Protocol):
 
 
 def image_seq_len(family: Any, model: Any, latent_shape: tuple[int, ...]) -> int | None:
-    """Image tokens of one latent, for dynamic shifting (mu from the resolution): FLUX and
-    Qwen-Image pack 2x2 latents, SD3 uses patch_size x patch_size patches; None for the other families."""
-    if family.packed_2x2:  # FLUX, Qwen-Image
+    """Image tokens of one latent, for dynamic shifting (mu from the resolution): FLUX, FLUX
+    Kontext and Qwen-Image pack 2x2 latents (Kontext: the generated latents' tokens only, as its
+    pipeline), SD3 uses patch_size x patch_size patches; None for the other families."""
+    if family.packed_2x2:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
     if family.name == "sd3":
         patch = int(getattr(getattr(model, "config", None), "patch_size", 1))

@@ -65,10 +65,7 @@ def sample_groups(
     n = len(gids)
     k_steps = steps or (policy.rollout_steps if mode == "rollout" else policy.eval_steps)
     rules = policy.rules
-    sched = rules.set_timesteps(k_steps)
-    cols = {
-        k: v.to(dev)[None].expand(n, -1).contiguous() for k, v in sched.items() if v is not None
-    }
+    cols = policy.schedule_columns(k_steps, n)  # [N, K+1] each ("expert": [N, K])
     seed = int(torch.randint(2**62, (1,), generator=generator, device=gen_device(generator)))
     if mode == "rollout" and rules.sampler != "ode":
         sel = select_steps(policy.steps, k_steps, gids, generator=torch.Generator().manual_seed(seed),
@@ -77,7 +74,7 @@ def sample_groups(
     else:
         train = stochastic = torch.zeros(n, k_steps, dtype=torch.bool, device=dev)
     gs = policy.guidance_scale if guidance_scale is None else float(guidance_scale)
-    gscale = torch.full((n,), gs, device=dev)  # [N]
+    gscale = policy.guidance_columns(n, gs)  # [N] ([N, 2] for two experts)
     cond_n = cond.repeat(group_size).to(dev)
     x = initial_noise(
         policy.latent_shape, gids, policy.initial_noise, generator=generator, device=dev
@@ -98,7 +95,7 @@ def chain_rollout(rules, latents, logp, means, cols, cond_n, gscale, train, stoc
     batch = FlowBatch(
         latents=latents, sigmas=cols["sigmas"], timesteps=cols["timesteps"], cond=cond_n,
         guidance_scale=gscale, train_mask=train, stochastic=stochastic,
-        alphas=cols.get("alphas"), old_mean=means, sampler=rules.sampler,
+        alphas=cols.get("alphas"), old_mean=means, expert=cols.get("expert"), sampler=rules.sampler,
         noise_level=rules.noise_level,
     )  # fmt: skip
     info = {} if prompts is None else {"prompt": [p for p in prompts for _ in range(group_size)]}

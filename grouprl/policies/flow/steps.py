@@ -3,7 +3,8 @@
 Both go through the same `predict(x_k, cols, k, cond, guidance)` (the policy's denoiser call) and
 `step(cols, k, x_k, pred, stochastic, *, noise_level, prev_sample, generator)` (its rules' step), with the same tensors in the same dtypes, so a stored transition re-scored on the same batch
 gives bit-identical log-probs (ratio exactly 1 on-policy). `cols` holds the per-row schedule
-columns [B, K+1] ("sigmas", "timesteps", and "alphas" for DDIM).
+columns [B, K+1] ("sigmas", "timesteps", and "alphas" for DDIM) and, for a two-expert denoiser,
+"expert" [B, K] (which expert runs each step).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def score_chain(
     cols: dict[str, Any] = {"sigmas": batch.sigmas, "timesteps": batch.timesteps}
     if batch.alphas is not None:
         cols["alphas"] = batch.alphas
+    if batch.expert is not None:  # [n, K] the expert that drew each step scores it
+        cols["expert"] = batch.expert
     wanted = set(range(k_steps)) if steps is None else set(steps)
     zero_lp = batch.latents.new_zeros(n)  # [n]
     zero_mean = batch.latents.new_zeros(n, *batch.latents.shape[2:])  # [n, *latent]

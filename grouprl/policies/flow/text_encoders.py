@@ -123,7 +123,9 @@ def _sdxl_time_ids(pipe, image_size: tuple[int, int]) -> dict[str, Tensor]:
 ENCODERS: dict[str, Callable[[Any, list[str], int | None], dict[str, Tensor]]] = {
     "sd3": _sd3,
     "flux": _flux,
+    "flux_kontext": _flux,  # FluxKontextPipeline.encode_prompt: FluxPipeline's
     "wan": _wan,
+    "wan_expand": _wan,
     "unet": _unet,
     "sdxl": _sdxl,
     "sana": _sana,
@@ -136,7 +138,10 @@ NEGATIVE_BRANCH = {"sdxl", "sana"}
 IMAGE_CONDITIONS: dict[str, Callable[[Any, tuple[int, int]], dict[str, Tensor]]] = {
     "sdxl": _sdxl_time_ids,
 }
-_NO_DENOISER = {"sd3": "transformer", "flux": "transformer", "wan": "transformer", "unet": "unet"}
+# the denoiser components the text side never loads (Wan 2.2 A14B: both experts)
+_NO_DENOISER = {"sd3": ("transformer",), "flux": ("transformer",),
+                "flux_kontext": ("transformer",), "wan": ("transformer", "transformer_2"),
+                "wan_expand": ("transformer",), "unet": ("unet",)}  # fmt: skip
 
 
 def encoder_of(pipeline: Any, family: str | None) -> str:
@@ -212,7 +217,7 @@ class PromptEncoder:
         skip = {k: None for k, v in index.items()
                 if not k.startswith(("_", *text)) and isinstance(v, list)}  # fmt: skip
         if not index and family in _NO_DENOISER:
-            skip = {_NO_DENOISER[family]: None, "vae": None}
+            skip = {**dict.fromkeys(_NO_DENOISER[family]), "vae": None}
         if "requires_safety_checker" in index or (not index and family == "unet"):
             skip.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         try:

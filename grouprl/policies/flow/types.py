@@ -108,7 +108,8 @@ class FlowBatch:
                    stores sqrt(1 - alpha_bar_t) (the noise share of x_t) here
     timesteps:     Float[N, K+1]  the network's time input at each slot (scheduler timesteps)
     cond:          FlowCondition with N rows (one per sample, negatives expanded)
-    guidance_scale: Float[N]  classifier-free guidance scale used at rollout (1 = none)
+    guidance_scale: Float[N]  classifier-free guidance scale used at rollout (1 = none); a
+                   two-expert policy keeps one per expert, Float[N, 2] (guidance_scale_2 second)
     train_mask:    Bool[N, K]  steps that are scored and trained (Rollout.mask)
     stochastic:    Bool[N, K]  steps taken with the SDE (the others with the deterministic step)
     alphas:        Float[N, K+1] | None  DDIM only: alpha_bar at each slot
@@ -116,6 +117,8 @@ class FlowBatch:
                    stored when sample(..., store_means=True))
     ref_mean:      Float[N, K, *latent] | None  the reference's step means (the KL), filled once
                    per rollout by workloads/images/loss.prepare when a KL is on
+    expert:        Long[N, K] | None  a two-expert policy: the expert that drew each step (0 the
+                   high-noise `transformer`, 1 the low-noise `transformer_2`); re-scoring uses it
     sampler / noise_level: the stochastic sampler and its parameter (noise_level, or eta) used
     """
 
@@ -129,6 +132,7 @@ class FlowBatch:
     alphas: Tensor | None = None
     old_mean: Tensor | None = None
     ref_mean: Tensor | None = None
+    expert: Tensor | None = None
     sampler: str = "flow_sde"
     noise_level: float = 0.7
 

@@ -8,6 +8,9 @@ frozen reference, the "old" weights of the likelihood-free objectives, and check
   `update_old(d)` sets old <- d old + (1 - d) current (the first call copies the current weights).
   Swapping restores the original storage, so a graph built before the swap still backpropagates
   into the right values.
+- two experts (experts.DenoiserExperts): an adapter on each trained expert, the frozen expert
+  untouched; checkpoints write one LoRA file per trained expert (experts.lora_file) and, for a
+  full model, one model folder per expert (transformer/, transformer_2/).
 - state_dict: the full weights, or only the adapter weights under LoRA, plus "old::<name>" once old
   weights exist (a resumed run keeps them).
 """
@@ -25,8 +28,9 @@ from torch import Tensor
 
 from grouprl.policies.base import OLD
 from grouprl.policies.flow import lora as flow_lora
+from grouprl.policies.flow.experts import DenoiserExperts, lora_file
 from grouprl.policies.flow.models import Family
-from grouprl.policies.lora_targets import write_targets
+from grouprl.policies.lora_targets import LoRATargets, write_targets
 from grouprl.policies.precision import master_weights
 from grouprl.policies.text.lora import LoRASettings
 
@@ -37,10 +41,36 @@ class FlowWeights:
     def __init__(self, model: torch.nn.Module, family: Family, lora: LoRASettings | None) -> None:
         self.model, self.family, self.lora = model, family, lora
         # the adapted modules, resolved from the module tree: logged and saved with the run
-        self.lora_targets = None if lora is None else flow_lora.add_lora(model, lora)
+        # (with two experts, each name is prefixed by its expert's folder)
+        self.lora_targets: LoRATargets | None = None
+        if lora is not None:
+            found = {n: flow_lora.add_lora(net, lora) for n, net in self._trained_nets().items()}
+            self.lora_targets = (
+                next(iter(found.values()))
+                if not isinstance(model, DenoiserExperts)
+                else LoRATargets(
+                    modules=tuple(f"{n}.{m}" for n, t in found.items() for m in t.modules),
+                    parameters=tuple(f"{n}.{p}" for n, t in found.items() for p in t.parameters),
+                )
+            )
         master_weights(model)  # trainable weights (and so AdamW's moments) in float32
         self._ref_model: Any = None
         self._old: dict[str, Tensor] | None = None
+
+    def _nets(self) -> dict[str, torch.nn.Module]:
+        """{folder name: denoiser}: both experts of a DenoiserExperts, else the one model."""
+        if isinstance(self.model, DenoiserExperts):
+            return dict(self.model.experts.items())
+        return {self.family.folder: self.model}
+
+    def _trained_nets(self) -> dict[str, torch.nn.Module]:
+        if isinstance(self.model, DenoiserExperts):
+            return {n: self.model.experts[n] for n in self.model.trained}
+        return self._nets()
+
+    def _file(self, name: str) -> str:
+        experts = isinstance(self.model, DenoiserExperts)
+        return lora_file(name) if experts else flow_lora.LORA_FILE
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -110,19 +140,26 @@ class FlowWeights:
             device = next(iter(self.model.parameters())).device
             self._old = {k: v.detach().clone().to(device) for k, v in old.items()}
 
-    def save(self, directory: Path, merge_lora: bool) -> None:
-        """LoRA file (under LoRA) and / or the merged model folder <directory>/<family folder>."""
+    def save(self, directory: Path, merge_lora: bool) -> set[str]:
+        """LoRA file (under LoRA; one per trained expert) and / or the merged model folder
+        <directory>/<family folder> (one per expert); returns the model folders written."""
         if self.lora is not None:
-            flow_lora.save_lora(self.model, self.family, self.lora, directory)
+            for name, net in self._trained_nets().items():
+                flow_lora.save_lora(net, self.family, self.lora, directory, self._file(name))
             write_targets(self.lora_targets, directory)
-        if self.lora is None or merge_lora:
-            flow_lora.save_model_folder(self.model, directory / self.family.folder)
+        if self.lora is not None and not merge_lora:
+            return set()
+        for name, net in self._nets().items():
+            flow_lora.save_model_folder(net, directory / name)
+        return set(self._nets())
 
     def load(self, directory: Path) -> None:
         if self.lora is not None:
-            flow_lora.load_lora(self.model, self.family, self.lora, directory)
+            for name, net in self._trained_nets().items():
+                flow_lora.load_lora(net, self.family, self.lora, directory, self._file(name))
         else:
-            flow_lora.load_model_folder(self.model, directory / self.family.folder)
+            for name, net in self._nets().items():
+                flow_lora.load_model_folder(net, directory / name)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

@@ -16,6 +16,14 @@ model.type "flow":
   see policies/flow/models.py): weights from model.weights (Class.from_pretrained, or *.safetensors
   into Class(**module_options)), pixel space (no VAE), latent shape (in_channels, height, width);
   conditioning by class label (model.condition) or by prompt embeddings the caller supplies.
+- a two-expert pipeline (Wan 2.2 A14B: model_index.json names transformer_2 and sets
+  boundary_ratio): both experts in one DenoiserExperts (policies/flow/experts.py) switched by the
+  pipeline's rule; model.experts picks which train, diffusion.guidance_scale_2 the low-noise
+  expert's guidance (WanPipeline's guidance_scale_2); a pipeline with expand_timesteps (Wan 2.2
+  TI2V-5B) takes the "wan_expand" family (per-token timesteps);
+- FluxKontextPipeline (FLUX.1 Kontext): the "flux_kontext" family, conditioned on each example's
+  reference image (model.condition prompt_image, the `image` column); a pipeline's family is read
+  from its class (policies/flow/pipelines.SUPPORTED_PIPELINES).
 model.type "unet": an SD 1.x or SDXL pipeline folder or hub id: UNet2DConditionModel + VAE + CLIP
 text encoder(s), sampled with DDIM (eta = diffusion.eta) built from the pipeline's own scheduler
 config (SD 1.5's PNDM, SDXL's EulerDiscrete: their betas, steps_offset and timestep spacing), as
@@ -86,9 +94,16 @@ def check_image_model(m: Any) -> None:
     check_pipeline(m.name_or_path, m.type)
 
 
-def _pipeline_parts(m: Any) -> tuple[Any, Any, dict, Any]:
-    """Denoiser, VAE and scheduler config of a diffusers pipeline folder / hub id; its entry of
-    SUPPORTED_PIPELINES (refused before any model loads when there is none)."""
+def _component(spec: dict, name: str) -> bool:
+    """model_index.json names a component `name` that the folder has (not [null, null])."""
+    value = spec.get(name)
+    return isinstance(value, list) and len(value) == 2 and value[1] is not None
+
+
+def _pipeline_parts(m: Any) -> tuple[Any, Any, dict, Any, dict]:
+    """Denoiser (two experts: a DenoiserExperts), VAE and scheduler config of a diffusers pipeline
+    folder / hub id; its entry of SUPPORTED_PIPELINES (refused before any model loads when there
+    is none); its pipeline config (model_index.json)."""
     import diffusers
     from huggingface_hub import hf_hub_download
 
@@ -108,9 +123,13 @@ def _pipeline_parts(m: Any) -> tuple[Any, Any, dict, Any]:
             f"{'flow needs a transformer' if denoiser == 'transformer' else 'unet needs a unet'}"
         )
     dtype = getattr(torch, m.dtype)
-    net = getattr(diffusers, spec[denoiser][1]).from_pretrained(
-        m.name_or_path, subfolder=denoiser, torch_dtype=dtype
-    )
+
+    def load(name: str) -> Any:
+        return getattr(diffusers, spec[name][1]).from_pretrained(
+            m.name_or_path, subfolder=name, torch_dtype=dtype
+        )
+
+    net = load(denoiser)
     vae = None
     if spec.get("vae", [None, None])[1] is not None:
         vae = getattr(diffusers, spec["vae"][1]).from_pretrained(
@@ -119,7 +138,17 @@ def _pipeline_parts(m: Any) -> tuple[Any, Any, dict, Any]:
     sched_cls = getattr(diffusers, spec["scheduler"][1])
     sched = dict(sched_cls.load_config(m.name_or_path, subfolder="scheduler"))
     sched["_class_name"] = spec["scheduler"][1]  # the class model_index.json names
-    return net, vae, sched, support
+    second = f"{denoiser}_2"
+    if _component(spec, second):  # Wan 2.2 A14B: the low-noise expert
+        from grouprl.policies.flow.experts import EXPERT_CHOICES, DenoiserExperts, check_boundary
+
+        check_boundary(spec.get("boundary_ratio"), (denoiser, second))
+        net = DenoiserExperts(
+            {denoiser: net, second: load(second)}, boundary_ratio=spec["boundary_ratio"],
+            num_train_timesteps=int(sched.get("num_train_timesteps", 1000)),
+            trained=EXPERT_CHOICES[m.experts],
+        )  # fmt: skip
+    return net, vae, sched, support, spec
 
 
 def _lora(cfg: Any) -> dict | None:
@@ -140,6 +169,7 @@ def _steps(d: Any) -> dict:
 
 def build_flow_policy(cfg: Any, device: torch.device) -> Any:
     """FlowPolicy with flow rules (model.type flow) or DDIM rules (unet) from the config."""
+    from grouprl.policies.flow.experts import DenoiserExperts
     from grouprl.policies.flow.models import FAMILIES
     from grouprl.policies.flow.policy import FlowPolicy, PromptEncoder, latent_shape_for
     from grouprl.policies.flow.unet import ddim_config, ddim_policy
@@ -157,6 +187,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         train_cfg=d.train_guidance, steps=_steps(d), pixel_range=m.pixel_range,
         initial_noise="shared" if d.shared_noise == "group" else "independent",
         compute_dtype=m.dtype, gradient_checkpointing=m.gradient_checkpointing,
+        guidance_scale_2=d.guidance_scale_2,
     )  # fmt: skip
     if "sigma_spacing" in d.model_fields_set:  # otherwise the family's own (FLUX: linear)
         if m.type == "unet":
@@ -166,6 +197,7 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
             )
         common["sigma_spacing"] = d.sigma_spacing
     if m.type == "flow" and is_module_spec(m.name_or_path):
+        _check_condition(m, None)
         if d.num_frames != 1:
             raise ValueError("a user velocity module is an image model: diffusion.num_frames = 1")
         net, dtype = load_velocity_module(m), getattr(torch, m.dtype)
@@ -176,18 +208,20 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
         policy = FlowPolicy(net, latent_shape=(channels, d.height, d.width), family="module",
                             scheduler_config=sched, **common)  # fmt: skip
     else:
-        net, vae, sched, support = _pipeline_parts(m)
+        net, vae, sched, support, spec = _pipeline_parts(m)
         source = m.name_or_path  # full fine-tunes save a whole pipeline folder from it
         cls_name = type(net).__name__
-        video = FAMILIES[support.family].video
+        family = _pipeline_family(spec) or support.family
+        video = FAMILIES[family].video
         if d.num_frames != 1 and not video:
             raise ValueError(
                 f"diffusion.num_frames={d.num_frames} needs a video model; {cls_name} draws images"
             )
         frames = d.num_frames if video else None
-        shape = latent_shape_for(net, vae, d.height, d.width, frames, family=support.family)
+        _check_condition(m, family)
+        shape = latent_shape_for(net, vae, d.height, d.width, frames, family=family)
         encoder = PromptEncoder.from_pretrained(
-            m.name_or_path, support.family, dtype=getattr(torch, m.dtype),
+            m.name_or_path, family, dtype=getattr(torch, m.dtype),
             negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length,
             image_size=(d.height, d.width),
         )  # fmt: skip
@@ -205,7 +239,12 @@ def build_flow_policy(cfg: Any, device: torch.device) -> Any:
                 sched = _override_shift(sched, d.shift)
             policy = FlowPolicy(net, latent_shape=shape, vae=vae, prompt_encoder=encoder,
                                 scheduler_config=sched, pipeline_source=source,
-                                family=support.family, **common)  # fmt: skip
+                                family=family, **common)  # fmt: skip
+    if m.experts != "both" and not isinstance(policy.model, DenoiserExperts):
+        raise ValueError(
+            f"model.experts={m.experts!r}: {m.name_or_path!r} has one denoiser (no transformer_2 "
+            "and boundary_ratio in model_index.json); remove model.experts"
+        )
     if cfg.algorithm.kl_coef > 0 and policy.lora is None:
         # the frozen reference copy is made now, before a checkpoint is loaded into the policy,
         # so a resumed run keeps the initial model as its reference (FlowPolicy makes it lazily)
@@ -221,3 +260,28 @@ def _override_shift(sched: dict, shift: float) -> dict:
     out, note = override_shift(sched, shift)
     warnings.warn(note, stacklevel=2)
     return out
+
+
+def _pipeline_family(spec: dict) -> str | None:
+    """The family a pipeline config asks for beyond its denoiser's class: FluxKontextPipeline's
+    reference image, WanPipeline's expand_timesteps (Wan 2.2 TI2V-5B: timesteps per token);
+    None: the denoiser class's family."""
+    return "wan_expand" if spec.get("expand_timesteps") else None
+
+
+def _check_condition(m: Any, family: str | None) -> None:
+    """model.condition prompt_image exactly for an image-conditioned pipeline."""
+    from grouprl.policies.flow.models import IMAGE_CONDITIONED
+
+    takes_image = family in IMAGE_CONDITIONED
+    if takes_image and m.condition != "prompt_image":
+        raise ValueError(
+            f"model.name_or_path={m.name_or_path!r} is image-conditioned (FLUX.1 Kontext): every "
+            f"step sees a reference image; set model.condition: prompt_image (examples with an "
+            f"`image` column), got {m.condition!r}"
+        )
+    if m.condition == "prompt_image" and not takes_image:
+        raise ValueError(
+            f"model.condition='prompt_image' needs an image-conditioned pipeline "
+            f"(FluxKontextPipeline); {m.name_or_path!r} is not one: use model.condition: prompt"
+        )

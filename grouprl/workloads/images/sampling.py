@@ -8,7 +8,9 @@ KL, GRPO-Guard, DiffusionNFT / AWM) is workloads/images/loss.py.
 
 - Conditioning (CONDITIONS, keyed by model.condition): "prompt" encodes the examples' prompts with
   the policy's cached text encoders; "class_label" takes the examples' class_label column (with
-  model.null_label as the unconditional class for classifier-free guidance).
+  model.null_label as the unconditional class for classifier-free guidance); "prompt_image" adds
+  the examples' `image` column as the reference image of an image-conditioned pipeline (FLUX.1
+  Kontext), its latents in both guidance branches (FlowPolicy.with_reference_images).
 - Policy-gradient objectives sample with the configured SDE, the stochastic steps chosen per sample
   (diffusion.train_steps; MixGRPO's window from the optimizer step). Likelihood-free objectives
   (DiffusionNFT, AWM) sample every step deterministically (diffusion.sampler "ode") or with the SDE;
@@ -67,9 +69,24 @@ def _class_condition(cfg: Any, policy: FlowPolicy, examples: list[dict]):
     return class_condition([int(ex["class_label"]) for ex in examples], cfg.model.null_label)
 
 
+def _prompt_image_condition(cfg: Any, policy: FlowPolicy, examples: list[dict]):
+    from grouprl.envs.tasks.multimodal import load_image
+
+    missing = [ex.get("prompt") for ex in examples if ex.get("image") is None]
+    if missing:
+        raise ValueError(
+            f"model.condition='prompt_image' needs an `image` column (the reference image); "
+            f"examples without it: {missing[:3]}"
+        )
+    images = [load_image(ex["image"], f"example {ex.get('prompt')!r}: column 'image'")
+              for ex in examples]  # fmt: skip
+    return policy.with_reference_images(_prompt_condition(cfg, policy, examples), images)
+
+
 CONDITIONS: dict[str, Callable[[Any, Any, list[dict]], Any]] = {
     "prompt": _prompt_condition,
     "class_label": _class_condition,
+    "prompt_image": _prompt_image_condition,
 }
 
 
