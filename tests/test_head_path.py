@@ -267,6 +267,21 @@ def test_first_step_gap_stops_a_run_with_stale_engine_weights(tmp_path, tiny_mod
         train(cfg, _stale_engine_policy(tiny_model_dir))
 
 
+def test_first_step_gap_is_checked_again_after_a_resume(tmp_path, tiny_model_dir, capsys):
+    """Step 1 runs sound and is checkpointed; the resumed run's engine is stale: its first step
+    (step 2) stops."""
+    from grouprl.runtime.logp_gap import LogpGapError
+
+    base = (tiny_model_dir, "eval.every=0", "workload.type=text", "checkpoint.every=1")
+    train(validate(arithmetic_run(tmp_path, *base)))
+    resumed = validate(arithmetic_run(tmp_path, *base, "train.steps=2", "run.resume=true"))
+    with pytest.raises(LogpGapError, match=r"differ by .* nats on average"):
+        train(resumed, _stale_engine_policy(tiny_model_dir))
+    assert "resumed from" in capsys.readouterr().out and "step-00000001" in str(
+        sorted((tmp_path / "run").rglob("step-*"))
+    )
+
+
 def test_first_step_gap_only_warns_with_the_switch(tmp_path, tiny_model_dir, capsys):
     cfg = validate(
         arithmetic_run(
@@ -287,3 +302,144 @@ def test_first_step_gap_passes_a_sound_run_and_says_so(tmp_path, tiny_model_dir,
     out = capsys.readouterr().out
     assert "first-step log-prob gap: mean |trainer - engine|" in out
     assert "log-prob head path: Qwen2ForCausalLM: the plain linear LM head" in out
+
+
+# ---- vision-language models: the head after the inner model -----------------------------------
+
+VLM_SPECIAL = dict(boi_token_id=120, eoi_token_id=121, image_token_id=122, video_token_id=123,
+                   boa_token_id=124, eoa_token_index=125, audio_token_id=126)  # fmt: skip
+BANNED = [122, 123, 126]  # the placeholders the VLM policy never samples
+
+
+def gemma4_vlm():
+    """Gemma 4 (image-text-to-text) with final-logit soft-capping 30, applied by the
+    ForConditionalGeneration forward after its inner model."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        final_logit_softcapping=30.0, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
+        bos_token_id=2,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **VLM_SPECIAL)
+    return _real_size_logits(Gemma4ForConditionalGeneration(cfg))
+
+
+def _vision_batch() -> TokenBatch:
+    """_batch() as text-only VLM rows: each group's rows share one vision dict object."""
+    b, first, second = _batch(), {}, {}
+    return TokenBatch(
+        b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.truncated,
+        vision=[first, first, second, second],
+    )  # fmt: skip
+
+
+def _vlm_forward_logp(model, b: TokenBatch) -> torch.Tensor:
+    """log_softmax of the model's own forward, the placeholders out of the action space."""
+    P = b.prompt_ids.shape[1]
+    ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
+    mask = torch.cat([b.prompt_mask, b.completion_mask], 1)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    logits = logits[:, P - 1 : -1].float()
+    logits[..., BANNED] = float("-inf")
+    out = torch.log_softmax(logits, -1).gather(-1, b.completion_ids[..., None])[..., 0]
+    return out.masked_fill(~b.completion_mask, 0.0)
+
+
+@pytest.mark.parametrize("path", ["fast", "plain"])
+def test_vlm_scoring_equals_the_models_forward(path):
+    from grouprl.policies.vision.logprobs import vision_completion_logprobs
+
+    model, b = gemma4_vlm(), _vision_batch()
+    weights = torch.randn(b.completion_ids.shape, generator=torch.Generator().manual_seed(5))
+    ref = _vlm_forward_logp(model, b)
+    (ref * weights).sum().backward()
+    ref_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logp, _ = vision_completion_logprobs(model, b, path=path, banned=BANNED)
+    assert (logp - ref).abs().max() < 1e-5
+    (logp * weights).sum().backward()
+    assert (model.lm_head.weight.grad - ref_grad).abs().max() <= 1e-5 * ref_grad.abs().max()
+
+
+def test_vlm_engine_logprobs_agree_with_scoring():
+    from grouprl.policies.vision.engines.fast import VisionFastEngine
+    from grouprl.policies.vision.logprobs import vision_completion_logprobs
+    from grouprl.policies.vision.processing import VisionPrompt
+
+    model = gemma4_vlm()
+    shared = [VisionPrompt([5, 6, 7, 8], [], {}), VisionPrompt([9, 10, 11], [], {})]
+    prompts = [shared[0], shared[0], shared[1], shared[1]]
+    torch.manual_seed(0)
+    engine = VisionFastEngine(model, char_tokenizer(), banned=BANNED)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    P, T = 4, max(len(c) for c in out.completion_ids)
+    pid, pm = torch.zeros(4, P, dtype=torch.long), torch.zeros(4, P, dtype=torch.bool)
+    cid, cm = torch.zeros(4, T, dtype=torch.long), torch.zeros(4, T, dtype=torch.bool)
+    elp = torch.zeros(4, T)
+    for i, (p, c, lp) in enumerate(zip(prompts, out.completion_ids, out.logprobs)):
+        n = len(p.token_ids)
+        pid[i, P - n :], pm[i, P - n :] = torch.tensor(p.token_ids), True
+        cid[i, : len(c)], cm[i, : len(c)], elp[i, : len(c)] = (
+            torch.tensor(c),
+            True,
+            torch.tensor(lp),
+        )
+    vision = [prompts[i].vision for i in range(4)]
+    b = TokenBatch(pid, pm, cid, cm, torch.zeros(4, dtype=bool), vision=vision)
+    with torch.no_grad():
+        logp, _ = vision_completion_logprobs(model, b, with_entropy=False, banned=BANNED)
+        own = _vlm_forward_logp(model, b)
+    assert (logp - elp).abs()[cm].max() < 1e-4
+    assert (own - elp).abs()[cm].max() < 1e-4  # the sampler's head is the forward's
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_folder(tmp_path_factory):
+    from grouprl.replicas.vision import build_qwen2_vl
+
+    return build_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"))
+
+
+def test_vlm_load_time_probe_names_the_head_path(qwen2_vl_folder):
+    from grouprl.policies.vision.policy import VisionLMPolicy
+
+    policy = VisionLMPolicy.from_pretrained(str(qwen2_vl_folder))
+    assert policy.head_note.startswith(
+        "log-prob head path: Qwen2VLForConditionalGeneration: the plain linear LM head"
+    )
+
+
+def test_vlm_load_time_probe_refuses_a_forward_it_cannot_reproduce(qwen2_vl_folder):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from grouprl.policies.vision.policy import VisionLMPolicy
+    from grouprl.policies.vision.processing import VisionProcessor
+
+    class _OuterEmbeddingVLM(Qwen2VLForConditionalGeneration):
+        """Embeds its tokens with a module of its own, outside the inner model."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.outer_embed = torch.nn.Embedding(
+                config.text_config.vocab_size, config.text_config.hidden_size
+            )
+
+        def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+            if inputs_embeds is None:
+                inputs_embeds = self.outer_embed(input_ids) * 5.0
+            return super().forward(inputs_embeds=inputs_embeds, **kwargs)
+
+    torch.manual_seed(0)
+    model = _OuterEmbeddingVLM.from_pretrained(qwen2_vl_folder, dtype=torch.float32)
+    processor = VisionProcessor.from_pretrained(str(qwen2_vl_folder), False)
+    with pytest.raises(ValueError, match=r"_OuterEmbeddingVLM: grouprl's fast scoring path "
+                       r"differs from the model's own forward by .* nats \(bound 0.0001"):  # fmt: skip
+        VisionLMPolicy(model, processor)
