@@ -45,6 +45,7 @@ from grouprl.runtime.build import build_optimizer, build_sampler, seed_everythin
 from grouprl.runtime.distributed import SINGLE, Dist
 from grouprl.runtime.distributed import setup as setup_dist
 from grouprl.runtime.logging import RunLogger
+from grouprl.runtime.logp_gap import first_step_gap
 from grouprl.runtime.nonfinite import check_nonfinite_streak
 from grouprl.runtime.plots import plot_curves
 from grouprl.runtime.reward_guard import isolate_rewards, isolation_settings
@@ -303,6 +304,10 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
         logger.print(note)
     if latest is not None:
         logger.print(f"resumed from {latest} at step {step}")
+    head_note = getattr(getattr(policy, "policy", policy), "head_note", None)
+    if head_note:  # the load-time probe's choice (policies/text/scoring_probe.py)
+        logger.print(head_note)
+    gap_due = True  # runtime/logp_gap.py: checked on the first step that has a rollout
 
     def run_eval(at_step: int) -> dict[str, float]:
         if not eval_examples:
@@ -346,6 +351,9 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
                 dist.share_old_logp(rollout)  # processes: every row's trainer score, for below
                 # engine-vs-trainer mismatch; DiffusionNFT's old / AWM's EMA weights follow
                 metrics.update(workload.after_update(step, rollout))
+            if gap_due:  # the first step of this run or resume: a silent gap stops the run
+                gap_due = first_step_gap(cfg, rollout, logger.print)
+            if rollout is not None:
                 with meter.stage("weight_sync"):
                     push_weights(policy, dist)  # the engine samples the next step with new weights
             else:

@@ -107,6 +107,14 @@ class RolloutConfig(Section):
         description="recompute: score the batch with the trainer before updating (PPO's pi_old); "
         "engine: trust the engine's sampling log-probs.",
     )
+    logp_gap_check: Literal["error", "warn"] = Field(
+        "error",
+        description="On the first step of a run (and of a resume) the engine's sampling log-probs "
+        "are compared with the trainer's for the same tokens: a mean gap over the bound of "
+        "model.dtype (float32 1e-3, bfloat16 / float16 0.05 nats) stops the run naming the gap and "
+        "its likely causes (error) or is printed as a warning (warn); "
+        "grouprl/runtime/logp_gap.py.",
+    )
     tree: TreeConfig = Field(
         default_factory=NoTree,
         description="Sample each group as a tree: {type: fixed, branching: [b1, ...], branch_at: "

@@ -29,6 +29,7 @@ from grouprl.policies.precision import as_dtype, compute, compute_dtype_of, mast
 from grouprl.policies.text.engines.base import SamplingParams, TextEngine, unwrap_peft
 from grouprl.policies.text.engines.fast import FastEngine
 from grouprl.policies.text.engines.hf import HFEngine
+from grouprl.policies.text.head import output_head
 from grouprl.policies.text.loading import DType, Prompt, encode_prompts, load_causal_lm
 from grouprl.policies.text.logprobs import (
     chunked_pair_head,
@@ -38,6 +39,7 @@ from grouprl.policies.text.logprobs import (
 from grouprl.policies.text.lora import LoRASettings, add_lora
 from grouprl.policies.text.lora import lora_settings as _lora_settings
 from grouprl.policies.text.lora import merged_state_dict as _merged_state_dict
+from grouprl.policies.text.scoring_probe import choose_text_path
 from grouprl.policies.text.stop_ids import model_stop_ids
 from grouprl.rollouts.seeds import group_seeds, group_sizes
 from grouprl.types import PolicyOutput, Rollout, TokenBatch
@@ -117,7 +119,13 @@ class CausalLMPolicy:
         # the ids that end a turn: the generation config's EOS ids, then the tokenizer's
         self.stop_ids: list[int] = model_stop_ids(model, tokenizer)
         self.logprob_chunk_size = logprob_chunk_size
-        self.logprob_path = logprob_path  # logprobs.LOGPROB_PATHS: "fast" or "plain"
+        # logprobs.LOGPROB_PATHS: "fast" or "plain", or "forward" when the load-time probe finds
+        # that they do not reproduce the model's own forward (scoring_probe.py; warned once)
+        probe = choose_text_path(
+            unwrap_peft(model), logprob_path, self.compute_dtype, self.device_of_model(),
+            lambda: compute(self.compute_dtype, self.device_of_model()),
+        )  # fmt: skip
+        self.logprob_path, self.head_note = probe.path, probe.note
         if engine is None or isinstance(engine, str):  # a LOCAL_ENGINES name: on this model
             name = engine or "hf"
             if name not in LOCAL_ENGINES:
@@ -291,8 +299,8 @@ class CausalLMPolicy:
                 t_hidden, _ = completion_hidden(teacher_model, batch)  # [N, T, H']
             mask = batch.completion_mask.to(device)  # [N, T]
             kl = chunked_pair_head(
-                hidden[mask], student.get_output_embeddings(),
-                t_hidden[mask].to(device), teacher_model.get_output_embeddings(), kl_fn,
+                hidden[mask], output_head(student),
+                t_hidden[mask].to(device), output_head(unwrap_peft(teacher_model)), kl_fn,
                 temperature=temperature, chunk_size=chunk_size,
                 vocab_size=student.config.get_text_config().vocab_size,
             )  # fmt: skip  # [M]

@@ -13,8 +13,9 @@ computed with less work:
    when no prompt repeats) the batch runs as [prompt | completion] rows in one pass.
 2. Padding removed before the LM head ("packing"): only the real completion tokens [M, H] go
    through fused_head.py's head (one token chunk of logits at a time, forward and backward).
-   A head that is not a plain nn.Linear (e.g. a LoRA-wrapped lm_head) goes through the chunked
-   autograd head of logprobs.py instead.
+   The head is the model's own head function (head.py); where that is not exactly a plain
+   nn.Linear (a LoRA-wrapped lm_head, a family that soft-caps or scales its logits) it goes
+   through the chunked autograd head of logprobs.py instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from grouprl.policies.text.fused_head import fused_head_logprobs
+from grouprl.policies.text.head import OutputHead, output_head
 from grouprl.types import TokenBatch
 
 
@@ -131,23 +133,24 @@ def head_logprobs(
     with_entropy: bool = True,
     entropy_grad: bool = False,
     banned: list[int] | None = None,
+    head: OutputHead | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The LM head on the states that predict the completion tokens, hidden [N, T, H] -> logp
-    [N, T] and entropy [N, T] | None, masked slots 0: the real tokens only through the fused head
-    (a plain nn.Linear head), else the chunked autograd head. Also the vision-language path's
-    head (policies/vision/logprobs.py), where `banned` token ids get logit -inf (the tokens its
-    engines never sample: the distribution scored is the one sampled)."""
+    """The model's head function on the states that predict the completion tokens, hidden
+    [N, T, H] -> logp [N, T] and entropy [N, T] | None, masked slots 0: the real tokens only
+    through the fused head when that function is exactly a plain nn.Linear (head.py's probe),
+    else the chunked autograd head over the model's own head function (soft-capping, logit
+    scaling ...). head: the model's OutputHead (None: after its decoder). Also the
+    vision-language path's head (policies/vision/logprobs.py), where `banned` token ids get logit
+    -inf (the tokens its engines never sample: the distribution scored is the one sampled)."""
     from grouprl.policies.text.logprobs import chunked_head_logprobs  # logprobs imports this module
 
     T = batch.completion_ids.shape[1]
     cmask = batch.completion_mask.to(hidden.device)  # [N, T]
     ids = batch.completion_ids.to(hidden.device)  # [N, T]
-    head = model.get_output_embeddings()
-    if banned:
-        head = _without(head, banned)
-    if type(head) is torch.nn.Linear:
+    head = output_head(model) if head is None else head
+    if head.linear is not None and not banned:
         lp, ent = fused_head_logprobs(
-            hidden[cmask], head, ids[cmask], temperature=temperature,
+            hidden[cmask], head.linear, ids[cmask], temperature=temperature,
             chunk_size=chunk_size * T if chunk_size else None,
             with_entropy=with_entropy, entropy_grad=entropy_grad,
         )  # fmt: skip  # [M] each
@@ -155,7 +158,8 @@ def head_logprobs(
         entropy = ent.new_zeros(cmask.shape).masked_scatter(cmask, ent) if with_entropy else None
         return logp, entropy
     logp, entropy = chunked_head_logprobs(
-        hidden, head, ids, temperature=temperature, chunk_size=chunk_size,
+        hidden, _without(head, banned) if banned else head, ids, temperature=temperature,
+        chunk_size=chunk_size,
         with_entropy=with_entropy, entropy_grad=entropy_grad,
         vocab_size=model.config.get_text_config().vocab_size,
     )  # fmt: skip  # [N, T] each
@@ -164,13 +168,13 @@ def head_logprobs(
     return logp, entropy
 
 
-def _without(head: torch.nn.Module, banned: list[int]) -> Any:
+def _without(head: OutputHead, banned: list[int]) -> Any:
     """head(h) with the banned columns of the logits at -1e30 (through the chunked head path):
     exp() of it is exactly 0, so log-probs equal those of the engine's -inf, and unlike -inf it
     keeps the entropy's sum p * z finite (0 * -inf would be NaN)."""
 
     def masked(h: Tensor) -> Tensor:
-        logits = head(h)  # [..., V]
+        logits = head(h).float()  # [..., V] float32: -1e30 overflows float16 / bfloat16's range
         return logits.index_fill(-1, torch.tensor(banned, device=logits.device), -1e30)
 
     masked.parameters = head.parameters  # the chunked path checkpoints a head with weights

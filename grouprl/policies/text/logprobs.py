@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from grouprl.policies.text.head import output_head
 from grouprl.types import TokenBatch
 
 # Default chunk budget: rows per chunk such that one chunk's logits hold ~2^26 floats (256 MiB fp32).
@@ -145,8 +146,9 @@ def completion_logprobs(
     """logp [N, T] and entropy [N, T] | None of a TokenBatch's completion tokens; masked slots 0.
 
     path: "fast" (fast_logprobs.py: each group's prompt once, fused LM head over the real
-    completion tokens) or "plain" (one [prompt | completion] pass, chunked autograd head); the
-    same numbers up to float round-off.
+    completion tokens), "plain" (one [prompt | completion] pass, chunked autograd head) or
+    "forward" (the model's full forward per chunk of rows); the same numbers up to float
+    round-off. The fast and plain paths run the model's own head function (head.py).
     """
     if path not in LOGPROB_PATHS:
         raise ValueError(f"unknown log-prob path {path!r}; choose from {list(LOGPROB_PATHS)}")
@@ -168,13 +170,14 @@ def plain_completion_logprobs(
     """The plain path of completion_logprobs; masked slots 0.
 
     `model` is a transformers causal LM (peft adapters injected in place are fine): its decoder
-    runs on [left-padded prompt | right-padded completion] and its LM head goes through
-    `chunked_head_logprobs`, so full-vocabulary logits never exist for the whole batch.
+    runs on [left-padded prompt | right-padded completion] and its head function (head.py: the
+    LM head and whatever its forward applies after it) goes through `chunked_head_logprobs`, so
+    full-vocabulary logits never exist for the whole batch.
     """
     hidden, device = completion_hidden(model, batch)  # [N, T, H]
     logp, entropy = chunked_head_logprobs(
         hidden,
-        model.get_output_embeddings(),
+        output_head(model),  # the model's own head path (head.py): soft-capping, scaling ...
         batch.completion_ids.to(device),  # [N, T]
         temperature=temperature,
         chunk_size=chunk_size,
@@ -253,11 +256,69 @@ def chunked_pair_head(
     return torch.cat(out)  # [M]
 
 
+def forward_completion_logprobs(
+    model: Any,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The "forward" path: the model's own full forward on [prompt | completion] rows, a chunk of
+    rows at a time (logits [chunk, T, V], the last T positions only), under activation
+    checkpointing when gradients are on. Exact by construction, whatever the family does after
+    its decoder; the fallback of the load-time probe (scoring_probe.py) when the fast / plain
+    paths cannot reproduce the forward. Masked slots 0."""
+    device = next(model.parameters()).device
+    P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    if P < 1 or T < 1:
+        raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
+    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    targets = batch.completion_ids.to(device)  # [N, T]
+    N = ids.shape[0]
+    rows = _rows(N, T * model.config.get_text_config().vocab_size, chunk_size)
+
+    def chunk_fn(i: Tensor, m: Tensor, pos: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model(
+            input_ids=i[:, :-1], attention_mask=m[:, :-1].long(), position_ids=pos[:, :-1],
+            use_cache=False, logits_to_keep=T,
+        ).logits[:, -T:].float()  # fmt: skip  # [c, T, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp, ent = token_logp_entropy(
+            logits, y, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )  # [c, T] each
+        return lp, ent if ent is not None else torch.zeros_like(lp)
+
+    use_ckpt = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    logps, ents = [], []
+    for s in range(0, N, rows):
+        part = (ids[s : s + rows], mask[s : s + rows], position_ids[s : s + rows],
+                targets[s : s + rows])  # fmt: skip
+        lp, ent = checkpoint(chunk_fn, *part, use_reentrant=False) if use_ckpt else chunk_fn(*part)
+        logps.append(lp)
+        ents.append(ent)
+    cmask = batch.completion_mask.to(device)  # [N, T]
+    logp = torch.cat(logps).masked_fill(~cmask, 0.0)  # [N, T]
+    entropy = torch.cat(ents).masked_fill(~cmask, 0.0) if with_entropy else None  # [N, T]
+    return logp, entropy
+
+
 def _fast(model: Any, batch: TokenBatch, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     from grouprl.policies.text.fast_logprobs import fast_completion_logprobs
 
     return fast_completion_logprobs(model, batch, **kwargs)
 
 
-# completion_logprobs(path=...): how the completion tokens are scored
-LOGPROB_PATHS = {"fast": _fast, "plain": plain_completion_logprobs}
+# completion_logprobs(path=...): how the completion tokens are scored ("forward": the load-time
+# probe's exact fallback, scoring_probe.py)
+LOGPROB_PATHS = {
+    "fast": _fast,
+    "plain": plain_completion_logprobs,
+    "forward": forward_completion_logprobs,
+}

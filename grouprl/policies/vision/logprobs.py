@@ -26,7 +26,13 @@ from transformers import DynamicCache
 
 from grouprl.policies.text.engines.base import unwrap_peft
 from grouprl.policies.text.fast_logprobs import head_logprobs
-from grouprl.policies.vision.forward import continue_positions, prompt_positions, run
+from grouprl.policies.text.head import output_head
+from grouprl.policies.vision.forward import (
+    continue_positions,
+    inner_model,
+    prompt_positions,
+    run,
+)
 from grouprl.policies.vision.processing import cat_vision
 from grouprl.types import TokenBatch
 
@@ -110,4 +116,5 @@ def vision_completion_logprobs(
     return head_logprobs(
         hf, hidden, batch, temperature=temperature, chunk_size=chunk_size,
         with_entropy=with_entropy, entropy_grad=entropy_grad, banned=banned,
+        head=output_head(hf, inner_model(model)),  # the forward's own head after its inner model
     )  # fmt: skip

@@ -46,6 +46,7 @@ from grouprl.policies.text.lora import (
     lora_settings,
     merged_state_dict,
 )
+from grouprl.policies.text.scoring_probe import check_vision_path
 from grouprl.policies.vision.engines.base import VisionEngine
 from grouprl.policies.vision.engines.fast import VisionDecoder, VisionFastEngine
 from grouprl.policies.vision.logprobs import vision_completion_logprobs
@@ -173,6 +174,13 @@ class VisionLMPolicy:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.model = model
+        # scoring against the model's own forward on a short batch: a gap over the dtype's
+        # bound is refused by name (policies/text/scoring_probe.py)
+        self.head_note = check_vision_path(
+            model, logprob_path, self.compute_dtype,
+            lambda: compute(self.compute_dtype, next(model.parameters()).device),
+            processor.placeholder_ids,
+        ).note  # fmt: skip
         if engine is None or isinstance(engine, str):
             name = engine or "fast"
             if name not in LOCAL_ENGINES:

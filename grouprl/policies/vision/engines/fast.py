@@ -25,8 +25,14 @@ from grouprl.policies.text.engines.base import (
     unwrap_peft,
 )
 from grouprl.policies.text.engines.fast import decode
+from grouprl.policies.text.head import output_head
 from grouprl.policies.vision.engines.base import runs
-from grouprl.policies.vision.forward import continue_positions, prompt_positions, run
+from grouprl.policies.vision.forward import (
+    continue_positions,
+    inner_model,
+    prompt_positions,
+    run,
+)
 from grouprl.policies.vision.processing import VisionPrompt, cat_vision
 
 
@@ -36,7 +42,8 @@ class VisionDecoder:
 
     def __init__(self, model: Any, pad_id: int) -> None:
         self.model, self.pad_id = model, pad_id
-        self.head = unwrap_peft(model).get_output_embeddings()
+        # the model's own head function after its inner model (head.py: soft-capping, scaling ...)
+        self.head = output_head(unwrap_peft(model), inner_model(model))
         self.cache = DynamicCache(config=unwrap_peft(model).config.get_text_config())
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # [n, columns] 1 = a real token
         self.next = torch.zeros(0, dtype=torch.long)  # [n] position of the next token
