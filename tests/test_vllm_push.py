@@ -241,3 +241,25 @@ def test_a_tied_head_travels_once_and_the_engine_matches(tied):
     assert engine.last_push["not_loaded"] == []
     vocab = trainer.get_input_embeddings().weight.shape[0]
     assert gap(scores(engine, vocab), trainer_scores(trainer, vocab)) < TOL
+
+
+def test_the_server_pushes_the_moe_model_exactly(moe, tmp_path):
+    # the same load path in a `grouprl vllm-serve` worker (server/worker.py), through the channel
+    from grouprl.policies.text.engines.base import SamplingParams
+    from grouprl.policies.text.engines.server.client import VLLMServerEngine
+    from tests.test_vllm_server import Server
+
+    folder, _, vocab, _ = moe
+    server = Server(folder, tmp_path / "server.log")
+    try:
+        client = VLLMServerEngine(server.url, weight_timeout_s=120, seed=0)
+        prompts, _ = probe(vocab)
+        params = SamplingParams(max_new_tokens=8)
+        fresh = client.generate(prompts, params, seeds=[1, 7])
+        client.load_weights(trainer_of(folder))  # checked: raises on a mismatch
+        assert client.checked and client.last_push["not_loaded"] == []
+        pushed = client.generate(prompts, params, seeds=[1, 7])
+        assert pushed.completion_ids == fresh.completion_ids
+        assert pushed.logprobs == fresh.logprobs  # the same floats as the fresh load
+    finally:
+        server.stop()

@@ -207,7 +207,9 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
             f"{device_type()!r} and the trainer on {trainer!r}; install the matching vLLM build "
             "or set run.device"
         )
-    return shared_engine(settings, seed=cfg.run.seed)
+    engine = shared_engine(settings, seed=cfg.run.seed)
+    engine.push_check, engine.checked = v.push_check, v.push_check == "off"  # this run's
+    return engine
 
 
 def teacher_from_config(cfg: Any, student_tokenizer: Any) -> Any:
