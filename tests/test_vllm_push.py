@@ -243,6 +243,7 @@ def test_a_tied_head_travels_once_and_the_engine_matches(tied):
     assert gap(scores(engine, vocab), trainer_scores(trainer, vocab)) < TOL
 
 
+@pytest.mark.slow  # a server process: ~40 s here
 def test_the_server_pushes_the_moe_model_exactly(moe, tmp_path):
     # the same load path in a `grouprl vllm-serve` worker (server/worker.py), through the channel
     from grouprl.policies.text.engines.base import SamplingParams
@@ -257,9 +258,9 @@ def test_the_server_pushes_the_moe_model_exactly(moe, tmp_path):
         params = SamplingParams(max_new_tokens=8)
         fresh = client.generate(prompts, params, seeds=[1, 7])
         client.load_weights(trainer_of(folder))  # checked: raises on a mismatch
-        assert client.checked and client.last_push["not_loaded"] == []
         pushed = client.generate(prompts, params, seeds=[1, 7])
-        assert pushed.completion_ids == fresh.completion_ids
         assert pushed.logprobs == fresh.logprobs  # the same floats as the fresh load
+        assert pushed.completion_ids == fresh.completion_ids
+        assert client.checked and client.last_push["not_loaded"] == []
     finally:
         server.stop()
