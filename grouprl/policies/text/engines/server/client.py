@@ -49,7 +49,7 @@ from grouprl.policies.text.engines.server.channel import (
     open_group,
     resolve_backend,
 )
-from grouprl.policies.text.engines.vllm_push import Aliases, unique_tensors
+from grouprl.policies.text.engines.vllm_push import Aliases, checkpoint_layout, unique_tensors
 
 SEED_RANGE = 2**30
 RESUME_HINT = (
@@ -344,8 +344,11 @@ def weight_specs(weights: Any) -> tuple[list[WeightSpec], str, dict[str, float],
     if hasattr(weights, "get_base_model"):
         specs, scalings = lora_specs(weights)
         return specs, "lora", scalings, base_aliases(weights)
-    if isinstance(weights, dict) or hasattr(weights, "state_dict"):
-        specs, aliases = full_specs(weights if isinstance(weights, dict) else weights.state_dict())
+    if isinstance(weights, dict):
+        specs, aliases = full_specs(weights)
+        return specs, "full", {}, aliases
+    if hasattr(weights, "state_dict"):  # in the checkpoint layout, as vLLM's loaders read
+        specs, aliases = full_specs(checkpoint_layout(weights, weights.state_dict()))
         return specs, "full", {}, aliases
     raise TypeError(
         "VLLMServerEngine.load_weights takes a transformers / peft model or a state dict, "
