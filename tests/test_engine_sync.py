@@ -99,6 +99,30 @@ def test_engine_state_dict_full_lora_and_errors():
         engine_state_dict([1, 2])
 
 
+def test_pushes_send_each_tensor_once_with_its_aliases():
+    # issue 28: weights are walked by tensor identity; a tied head travels once, under the
+    # embedding's name, and its own name goes with it as an alias (engines/vllm_push.py)
+    from grouprl.policies.text.engines.server.client import base_aliases, weight_specs
+    from grouprl.policies.text.engines.vllm_push import unique_parameters, unique_tensors
+
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok)  # tie_word_embeddings, as Qwen2.5's small sizes
+    items, aliases = unique_tensors(model.state_dict())
+    assert aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    assert [n for n, _ in items] == [k for k in model.state_dict() if k != "lm_head.weight"]
+    params, param_aliases = unique_parameters(model)
+    assert param_aliases == aliases and len(params) == len(items)
+    specs, kind, _, spec_aliases = weight_specs(model)
+    assert kind == "full" and spec_aliases == aliases and len(specs) == len(items)
+    # equal values are not the same tensor: two copies both travel
+    state = {"a": torch.ones(3), "b": torch.ones(3)}
+    assert unique_tensors(state) == ([("a", state["a"]), ("b", state["b"])], {})
+    # a merged peft model keeps the tie (the merged copy views the same embedding)
+    policy = CausalLMPolicy(tiny_qwen2(tok), tok, lora={"r": 2, "alpha": 4})
+    assert unique_tensors(engine_state_dict(policy.model))[1] == aliases
+    assert base_aliases(policy.model) == aliases
+
+
 def test_release_engine_lets_a_sleeping_engine_sleep():
     slept = []
     release_engine(SimpleNamespace(engine=SimpleNamespace(sleep=lambda: slept.append(1))))

@@ -175,6 +175,7 @@ def test_full_push_then_generation_matches_the_trainer(server, model_dir):
     policy = CausalLMPolicy.from_pretrained(str(model_dir), engine=engine)
     engine.load_weights(policy.model)
     assert engine.weight_version == 0
+    assert engine.checked and engine.last_push["not_loaded"] == []  # the first push is checked
     perturb(policy.model)  # what an optimizer step does, larger
     stale = policy.sample(["12+3=", "7+8="], 4, SamplingParams(max_new_tokens=16))
     assert trainer_gap(policy, stale) > 0.1  # the server still samples the old weights
@@ -197,8 +198,10 @@ def test_lora_push_sends_adapters_and_matches_the_peft_trainer(server, model_dir
         for n, p in policy.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)
-    specs, kind, scalings = weight_specs(policy.model)
+    specs, kind, scalings, aliases = weight_specs(policy.model)
     assert kind == "lora" and all("::lora_" in name for name, *_ in specs)
+    # the tied head of the base folder reaches vLLM's head module under its own name (worker.py)
+    assert aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
     assert set(scalings.values()) == {2.0}  # alpha / r
     engine.load_weights(policy.model)
     r = policy.sample(["12+3=", "7+8="], 4, SamplingParams(max_new_tokens=16))

@@ -30,6 +30,12 @@ class VLLMConfig(Section):
     )
     max_model_len: int | None = Field(None, ge=1, description="Context limit (None: model's).")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per batch (None: vLLM's).")
+    push_check: Literal["error", "warn", "off"] = Field(
+        "error",
+        description="After the run's first weight push: the engine's log-probs on a fixed probe "
+        "must match the trainer's (1e-3 nats float32, 2.5e-2 bfloat16); error stops the run "
+        "naming the gap, warn logs it, off skips it.",
+    )
 
 
 class VLLMServerConfig(Section):
@@ -56,6 +62,12 @@ class VLLMServerConfig(Section):
     channel_port: int = Field(0, ge=0, le=65535, description="Its port (0: a free one).")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Weight channel backend: auto (nccl with CUDA, else gloo)."
+    )
+    push_check: Literal["error", "warn", "off"] = Field(
+        "error",
+        description="After the run's first weight push: the engine's log-probs on a fixed probe "
+        "must match the trainer's (1e-3 nats float32, 2.5e-2 bfloat16); error stops the run "
+        "naming the gap, warn logs it, off skips it.",
     )
 
 

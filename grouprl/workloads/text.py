@@ -113,6 +113,7 @@ def _server_engine(cfg: Any, device: torch.device):
         s.url, timeout_s=s.timeout_s, connect_timeout_s=s.connect_timeout_s,
         weight_timeout_s=s.weight_timeout_s, channel_host=s.channel_host,
         channel_port=s.channel_port, backend=s.backend, seed=cfg.run.seed,
+        push_check=s.push_check,
     )  # fmt: skip
 
 

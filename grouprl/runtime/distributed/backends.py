@@ -122,16 +122,20 @@ class FSDP2(_PlainCopy):
         sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {k.removeprefix("model."): v for k, v in sd.items()}
 
-    def stream_full_weights(self) -> list[tuple]:
-        """(name, shape, dtype, get) per parameter under its transformers name, tied ones under
-        each name (a tied head is sent as lm_head.weight as in a state dict): `get()` gathers
-        that one parameter (an all-gather of every process, in the same order everywhere) for a
+    def stream_full_weights(self) -> tuple[list[tuple], dict[str, list[str]]]:
+        """(name, shape, dtype, get) per distinct parameter under its transformers name, and the
+        other names of tied parameters (vllm_push.unique_parameters: a tied head travels once,
+        the server hands it to vLLM under the names vLLM has modules for): `get()` gathers that
+        one parameter (an all-gather of every process, in the same order everywhere) for a
         weight push to a vllm_server, so a push never holds more than one full parameter."""
+        from grouprl.policies.text.engines.vllm_push import unique_parameters
+
+        params, aliases = unique_parameters(self.module)
         out = []
-        for name, p in self.module.named_parameters(remove_duplicate=False):
+        for name, p in params:
             get = (lambda p=p: p.full_tensor()) if hasattr(p, "full_tensor") else (lambda p=p: p)
             out.append((name.removeprefix("model."), list(p.shape), p.dtype, get))
-        return out
+        return out, _strip_model(aliases)
 
     def load_full(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -211,7 +215,7 @@ class DeepSpeed(_PlainCopy):
             sd = self.module.module.state_dict()
             return {k.removeprefix("model."): v.clone() for k, v in sd.items()}
 
-    def stream_full_weights(self) -> list[tuple] | None:
+    def stream_full_weights(self) -> tuple[list[tuple], dict[str, list[str]]] | None:
         """ZeRO-3: as FSDP2.stream_full_weights, each parameter gathered with DeepSpeed's
         GatheredParameters on its own (written, NOT run: no deepspeed package here). ZeRO-2: None
         (the parameters are whole; the policy's model is pushed as it is)."""
@@ -219,15 +223,18 @@ class DeepSpeed(_PlainCopy):
             return None
         import deepspeed
 
+        from grouprl.policies.text.engines.vllm_push import unique_parameters
+
         def gather(p: Any) -> torch.Tensor:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 return p.data.detach().clone()
 
+        params, aliases = unique_parameters(self.module.module)
         return [
             (name.removeprefix("model."), list(getattr(p, "ds_shape", p.shape)), p.dtype,
              lambda p=p: gather(p))
-            for name, p in self.module.module.named_parameters(remove_duplicate=False)
-        ]  # fmt: skip
+            for name, p in params
+        ], _strip_model(aliases)  # fmt: skip
 
     def load_full(self, state: dict) -> None:
         import deepspeed
@@ -281,3 +288,10 @@ class _StepHook:
     @property
     def defaults(self) -> dict:
         return self.optimizer.defaults
+
+
+def _strip_model(aliases: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Aliases under transformers names (the wrapped module is the policy: its `model.` prefix)."""
+    return {
+        k.removeprefix("model."): [n.removeprefix("model.") for n in v] for k, v in aliases.items()
+    }

@@ -24,9 +24,14 @@ The contract is HFEngine's (see hf.py / base.py), with these choices and deviati
   of identical prompts becomes one request only where the seeds count up by one. vLLM's random
   stream differs from the HF engine's: same seeds, different (equally distributed) samples.
 - Weights: `load_weights(model_or_state_dict)` copies the trainer's full weights into vLLM's model
-  in place (`reload_weights` through `collective_rpc`); a peft model is merged into a copy first
-  (the live adapter is untouched). The prefix cache is then reset: cached KV blocks were computed
-  with the old weights.
+  in place (vLLM's `reload_weights`, through `collective_rpc`): each distinct tensor once, under
+  the names vLLM's loader takes, with vLLM's MoE repack defect worked around (vllm_push.py); a
+  peft model is merged into a copy first (the live adapter is untouched). The prefix cache is
+  then reset: cached KV blocks were computed with the old weights. The first push of a model is
+  checked (push_check.py): the engine's log-probs on a fixed probe must match the trainer's
+  within a per-dtype bound, else PushMismatch names the gap and the likely parameters
+  (`push_check="warn"` logs it instead, "off" skips it). A state dict push is not checked (there
+  is no model to compare with); `check_push(model)` checks it.
 - Sleep (GPU only, not testable on CPU): with `sleep_level` 1 or 2, `sleep()` (called by the
   trainer once a step's rollouts are done) frees vLLM's GPU memory for the update: level 1 offloads
   the weights to CPU memory, level 2 drops them, both drop the KV cache. A weight push wakes only
@@ -46,6 +51,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams, check_generate_args
+from grouprl.policies.text.engines.push_check import check_push
+from grouprl.policies.text.engines.vllm_push import (
+    checkpoint_layout,
+    load_into_vllm,
+    unique_tensors,
+)
 
 SEED_RANGE = 2**30  # per-request seeds (+ n - 1 for the samples) stay in vLLM's int range
 
@@ -79,16 +90,18 @@ def prompt_runs(prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[in
 
 
 def engine_state_dict(weights: Any) -> dict[str, Any]:
-    """What vLLM's loader takes: HF parameter names -> tensors. A peft model gives its merged
-    weights (a copy), a transformers model its state dict, a dict is taken as it is."""
+    """What vLLM's loader takes: checkpoint names -> tensors. A peft model gives its merged
+    weights (a copy), a transformers model its state dict, both in the checkpoint layout
+    (vllm_push.checkpoint_layout); a dict is taken as it is."""
     if isinstance(weights, dict):
         return weights
     if hasattr(weights, "get_base_model"):  # peft: W + delta under the original names
         from grouprl.policies.text.lora import merged_state_dict
 
-        return merged_state_dict(weights.get_base_model())
+        base = weights.get_base_model()
+        return checkpoint_layout(base, merged_state_dict(base))
     if hasattr(weights, "state_dict"):
-        return weights.state_dict()
+        return checkpoint_layout(weights, weights.state_dict())
     raise TypeError(
         "VLLMEngine.load_weights takes a transformers / peft model or a state dict, "
         f"got {type(weights).__name__}"
@@ -102,9 +115,18 @@ class VLLMEngine:
     eos_ids:    token ids that end a completion (kept in the output)
     seed:       seeds the engine's own request-seed stream
     sleep_level: 0 = never sleep; 1 / 2 = vLLM sleep level between generate calls (GPU only)
+    push_check: after the first push of a model: "error" (PushMismatch), "warn" or "off"
     """
 
-    def __init__(self, llm: Any, eos_ids: list[int], *, seed: int = 0, sleep_level: int = 0):
+    def __init__(
+        self,
+        llm: Any,
+        eos_ids: list[int],
+        *,
+        seed: int = 0,
+        sleep_level: int = 0,
+        push_check: str = "error",
+    ):
         mode = llm.llm_engine.model_config.logprobs_mode
         if mode != "processed_logprobs":
             raise ValueError(
@@ -114,6 +136,13 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
         if not eos_ids:
             raise ValueError("VLLMEngine: eos_ids is empty; a completion could never end early")
+        if push_check not in ("error", "warn", "off"):
+            raise ValueError(
+                f"VLLMEngine: push_check must be error, warn or off, got {push_check!r}"
+            )
+        self.push_check = push_check
+        self.checked = push_check == "off"  # the first model push is checked once
+        self.last_push: dict[str, Any] = {}  # load_into_vllm's report and the push's aliases
         self.llm = llm
         reload_log = logging.getLogger(_RELOAD_LOGGER)
         if not any(isinstance(f, _QuietRotaryReload) for f in reload_log.filters):
@@ -136,14 +165,25 @@ class VLLMEngine:
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Any) -> None:
-        """Copy the trainer's weights into the engine (a model, peft model or state dict)."""
-        state = engine_state_dict(weights)
+        """Copy the trainer's weights into the engine (a model, peft model or state dict); the
+        first push of a model is checked (see module docstring)."""
+        items, aliases = unique_tensors(engine_state_dict(weights))
         if "weights" in self._asleep:  # level-2 sleep dropped them: make room to receive them
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+        (report,) = self.llm.collective_rpc(load_into_vllm, args=(items, aliases))
+        self.last_push = {**report, "aliases": aliases}
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("VLLMEngine: vLLM refused to reset its prefix cache after a push")
+        if not self.checked and not isinstance(weights, dict):
+            self.check_push(weights)
+
+    def check_push(self, model: Any) -> float:
+        """The probe check of push_check.py against `model` (the trainer's): the gap in nats;
+        above the bound PushMismatch (push_check "error") or a warning ("warn")."""
+        self.checked = True
+        aliases = self.last_push.get("aliases")
+        return check_push(self, model, self.last_push, aliases, self.push_check)
 
     # ---- sleep (GPU) ---------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ One engine per process: vLLM keeps process-global state (its distributed groups,
 and starting an engine takes ~15-25 s on a CPU. `shared_engine` returns the engine built for the
 same settings if there is one (its request seeds restarted), so tests and repeated runs in one
 process share it; asking for different settings while one exists is an error. A reused engine
-holds the weights of its last push: the trainer pushes its own weights at the start of every run.
+holds the weights of its last push: the trainer pushes its own weights at the start of every run,
+and that push is checked again (VLLMEngine.check_push).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def shared_engine(s: VLLMSettings, seed: int = 0) -> VLLMEngine:
             )
         engine = _SHARED["engine"]
         engine.reseed(seed)
+        engine.checked = engine.push_check == "off"  # a new run: its first push is checked
         return engine
     llm = build_llm(s)
     eos = eos_ids_for(s.model, llm.get_tokenizer(), s.trust_remote_code)
@@ -205,7 +207,9 @@ def engine_from_config(cfg: Any, device: Any) -> VLLMEngine:
             f"{device_type()!r} and the trainer on {trainer!r}; install the matching vLLM build "
             "or set run.device"
         )
-    return shared_engine(settings, seed=cfg.run.seed)
+    engine = shared_engine(settings, seed=cfg.run.seed)
+    engine.push_check, engine.checked = v.push_check, v.push_check == "off"  # this run's
+    return engine
 
 
 def teacher_from_config(cfg: Any, student_tokenizer: Any) -> Any:

@@ -10,10 +10,13 @@ Endpoints (stdlib `http.server`, one thread per connection, like rollouts/gatewa
                           min_version?} -> {completion_ids, logprobs, truncated, versions, version}
   POST /weights/channel  {host, port, tag, backend, timeout_s}: every worker joins the trainer's
                           channel (answered at once, 202; the join completes with the trainer's)
-  POST /weights/update   {kind: full|lora, params: [{name, shape, dtype}], scalings?}: the workers
-                          start receiving the announced tensors (202); the trainer broadcasts them
+  POST /weights/update   {kind: full|lora, params: [{name, shape, dtype}], scalings?, aliases?}:
+                          the workers start receiving the announced tensors (202); the trainer
+                          broadcasts them; aliases {name: [other names of the same tensor]} (a
+                          tied head: each tensor travels once, see vllm_push.py)
   POST /weights/finish   {timeout_s}: waits for the receive to end, resets the prefix cache,
-                          version += 1 -> {version}
+                          version += 1 -> {version, not_loaded} (vLLM parameters the last push
+                          did not load)
 Generation semantics are VLLMEngine's (prompt runs -> one request with n samples, per-completion
 seeds, processed log-probs, stop strings / EOS kept). Requests are batched: the first waiting
 request and those that arrive within --batch-window-ms (or wait while the engine is busy) with equal
@@ -109,6 +112,7 @@ class VLLMServer:
         threading.Thread(target=self._batch_loop, name="grouprl-batcher", daemon=True).start()
         self.instance = uuid.uuid4().hex
         self.version = 0
+        self.not_loaded: list[str] = []  # vLLM parameters the last push did not load
         self.lock = threading.Lock()  # one engine call at a time
         self.changed = threading.Condition()  # version updates
         self._op: threading.Thread | None = None  # a channel join or a weight receive
@@ -266,9 +270,13 @@ class VLLMServer:
 
     def start_update(self, body: dict) -> dict:
         kind, params = body.get("kind"), body.get("params")
-        scalings = body.get("scalings", {})
-        if set(body) - {"kind", "params", "scalings"}:
-            raise ServerError(400, "/weights/update takes kind, params, scalings")
+        scalings, aliases = body.get("scalings", {}), body.get("aliases", {})
+        if set(body) - {"kind", "params", "scalings", "aliases"}:
+            raise ServerError(400, "/weights/update takes kind, params, scalings, aliases")
+        if not isinstance(aliases, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in aliases.values()
+        ):
+            raise ServerError(400, "aliases must map a weight name to a list of names")
         if kind not in ("full", "lora"):
             raise ServerError(400, f"kind must be full or lora, got {kind!r}")
         if not isinstance(params, list) or not params:
@@ -288,7 +296,10 @@ class VLLMServer:
             self.engine._wake()  # sleep is GPU only; a no-op otherwise
             with self._locked("weight receive"):
                 start = time.perf_counter()
-                self.engine.llm.collective_rpc("grouprl_receive", args=(kind, params, scalings))
+                reports = self.engine.llm.collective_rpc(
+                    "grouprl_receive", args=(kind, params, scalings, aliases)
+                )
+                self.not_loaded = sorted({n for r in reports for n in r["not_loaded"]})
                 if not self.engine.llm.reset_prefix_cache():
                     raise RuntimeError("vLLM refused to reset its prefix cache after a push")
                 self.stats["push_s"] += time.perf_counter() - start
@@ -311,7 +322,7 @@ class VLLMServer:
         if self._op_error is not None:
             err, self._op_error = self._op_error, None
             raise ServerError(500, f"the {name} failed: {type(err).__name__}: {err}", "server")
-        return {"version": self.version}
+        return {"version": self.version, "not_loaded": self.not_loaded}
 
     # ---- helpers -------------------------------------------------------------------------------
 

@@ -17,6 +17,11 @@ VLLMEngine. Differences:
   parameter at a time, the main process sends it, and it is freed before the next.
 - A peft policy pushes only its LoRA adapters (A, B and the scaling of each adapted weight); the
   server merges them into the base weights of its model folder (worker.py).
+- Each distinct tensor travels once (a tied head under its first name); the push announces the
+  other names of tied tensors as aliases, and the server hands the tensor to vLLM under the names
+  vLLM has modules for (vllm_push.py). The first push of a model (not of a parameter stream: a
+  sharded model has no one-process forward) is checked as the in-process engine's is
+  (push_check.py): the server's log-probs on a fixed probe against the trainer's.
 - Versions: `weight_version` is 0 for the weights the run starts (or resumes) with, +1 per push
   after that; GenerationOutput.versions gives each completion's version on the same scale.
 Every HTTP call and collective has a timeout; a server that is gone raises ServerUnavailable
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams, check_generate_args
+from grouprl.policies.text.engines.push_check import check_push
 from grouprl.policies.text.engines.server.channel import (
     broadcast,
     channel_device,
@@ -43,6 +49,7 @@ from grouprl.policies.text.engines.server.channel import (
     open_group,
     resolve_backend,
 )
+from grouprl.policies.text.engines.vllm_push import Aliases, checkpoint_layout, unique_tensors
 
 SEED_RANGE = 2**30
 RESUME_HINT = (
@@ -70,8 +77,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def full_specs(state: dict[str, torch.Tensor]) -> list[WeightSpec]:
-    return [(k, list(v.shape), v.dtype, lambda v=v: v) for k, v in state.items()]
+def full_specs(state: dict[str, torch.Tensor]) -> tuple[list[WeightSpec], Aliases]:
+    """One spec per distinct tensor of a state dict, and the aliases of the tied ones."""
+    items, aliases = unique_tensors(state)
+    return [(k, list(v.shape), v.dtype, lambda v=v: v) for k, v in items], aliases
 
 
 def lora_specs(model: Any) -> tuple[list[WeightSpec], dict[str, float]]:
@@ -104,6 +113,13 @@ def lora_specs(model: Any) -> tuple[list[WeightSpec], dict[str, float]]:
     return specs, scalings
 
 
+def base_aliases(model: Any) -> Aliases:
+    """The tied tensors of a peft model's base model, under the base model's own names."""
+    state = model.get_base_model().state_dict()
+    names = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+    return unique_tensors(names)[1]
+
+
 class VLLMServerEngine:
     """A client of `grouprl vllm-serve` at `url` (see module docstring).
 
@@ -114,6 +130,7 @@ class VLLMServerEngine:
                       (an address the server's workers reach; port 0: a free port)
     backend:          auto (nccl with CUDA, else gloo) | gloo | nccl
     seed:             the client's request-seed stream (calls without seeds)
+    push_check:       after the first push of a model: error (PushMismatch), warn or off
     """
 
     remote = True  # sync.push_weights: the training loop pushes through `push`
@@ -129,7 +146,13 @@ class VLLMServerEngine:
         channel_port: int = 0,
         backend: str = "auto",
         seed: int = 0,
+        push_check: str = "error",
     ) -> None:
+        if push_check not in ("error", "warn", "off"):
+            raise ValueError(f"push_check must be error, warn or off, got {push_check!r}")
+        self.push_check = push_check
+        self.checked = push_check == "off"  # the first push of a model is checked once
+        self.last_push: dict[str, Any] = {}  # the server's not_loaded and the push's aliases
         self.url = url.rstrip("/")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.weight_timeout_s = weight_timeout_s
@@ -219,8 +242,18 @@ class VLLMServerEngine:
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Any) -> None:
-        """One process: push a model, peft model or state dict to the server."""
+        """One process: push a model, peft model or state dict to the server (the first push
+        of a model is checked)."""
         self._set_version(self._send(*weight_specs(weights)))
+        if not self.checked and not isinstance(weights, dict):
+            self.check_push(weights)
+
+    def check_push(self, model: Any) -> float:
+        """push_check.py's probe against `model` after a push: the gap in nats (PushMismatch
+        above the bound, or a warning with push_check 'warn')."""
+        self.checked = True
+        aliases = self.last_push.get("aliases")
+        return check_push(self, model, self.last_push, aliases, self.push_check)
 
     def push(self, policy: Any, processes: Any = None) -> None:
         """The training loop's push (sync.push_weights): see the module docstring. processes:
@@ -229,12 +262,12 @@ class VLLMServerEngine:
         stream = getattr(getattr(policy, "backend", None), "stream_full_weights", None)
         streamed = stream() if stream is not None else None  # sharded parameters only
         if streamed is not None:
-            specs, kind, scalings, collective = streamed, "full", {}, True
+            (specs, aliases), kind, scalings, collective = streamed, "full", {}, True
         else:
-            specs, kind, scalings = weight_specs(policy.model)
+            specs, kind, scalings, aliases = weight_specs(policy.model)
             collective = False
         if main:
-            version = self._send(specs, kind, scalings)
+            version = self._send(specs, kind, scalings, aliases)
         else:
             version = None
             if collective:  # the gathers are collectives of the trainer's group: join them
@@ -243,6 +276,9 @@ class VLLMServerEngine:
         if processes is not None and processes.world > 1:
             version = processes.broadcast_object(version)
         self._set_version(version)
+        if main and not collective and not self.checked:
+            self.check_push(policy.model)
+        self.checked = True  # a sharded model is not checked (no one-process forward)
 
     def _set_version(self, version: int) -> None:
         self._needed = version
@@ -274,14 +310,15 @@ class VLLMServerEngine:
         self._channel = (store, group, info["instance"])
         return group
 
-    def _send(self, specs: list[WeightSpec], kind: str, scalings: dict[str, float]) -> int:
+    def _send(
+        self, specs: list[WeightSpec], kind: str, scalings: dict[str, float], aliases: Aliases
+    ) -> int:
         """Announce, broadcast and load one push; returns the server's new version."""
         group = self._ensure_channel()
         t = self.weight_timeout_s
         params = [{"name": n, "shape": list(s), "dtype": _dtype_name(d)} for n, s, d, _ in specs]
-        self._call(
-            "POST", "/weights/update", {"kind": kind, "params": params, "scalings": scalings}
-        )
+        body = {"kind": kind, "params": params, "scalings": scalings, "aliases": aliases}
+        self._call("POST", "/weights/update", body)
         device = channel_device(self.backend)
         name = None
         try:
@@ -296,19 +333,23 @@ class VLLMServerEngine:
                 f"pushing weights to vLLM server {self.url} failed at {name!r} "
                 f"({type(exc).__name__}: {exc}); the server may have died: {RESUME_HINT}"
             ) from None
-        return self._call("POST", "/weights/finish", {"timeout_s": t}, timeout=t + 10)["version"]
+        done = self._call("POST", "/weights/finish", {"timeout_s": t}, timeout=t + 10)
+        self.last_push = {"not_loaded": done.get("not_loaded", []), "aliases": aliases}
+        return done["version"]
 
 
-def weight_specs(weights: Any) -> tuple[list[WeightSpec], str, dict[str, float]]:
-    """(specs, kind, scalings) of a push: a peft model's adapters (lora), else the full weights
-    of a transformers model or state dict."""
+def weight_specs(weights: Any) -> tuple[list[WeightSpec], str, dict[str, float], Aliases]:
+    """(specs, kind, scalings, aliases) of a push: a peft model's adapters (lora), else the full
+    weights of a transformers model or state dict (each distinct tensor once)."""
     if hasattr(weights, "get_base_model"):
         specs, scalings = lora_specs(weights)
-        return specs, "lora", scalings
+        return specs, "lora", scalings, base_aliases(weights)
     if isinstance(weights, dict):
-        return full_specs(weights), "full", {}
-    if hasattr(weights, "state_dict"):
-        return full_specs(weights.state_dict()), "full", {}
+        specs, aliases = full_specs(weights)
+        return specs, "full", {}, aliases
+    if hasattr(weights, "state_dict"):  # in the checkpoint layout, as vLLM's loaders read
+        specs, aliases = full_specs(checkpoint_layout(weights, weights.state_dict()))
+        return specs, "full", {}, aliases
     raise TypeError(
         "VLLMServerEngine.load_weights takes a transformers / peft model or a state dict, "
         f"got {type(weights).__name__}"

@@ -4,16 +4,18 @@
 - `grouprl_join_channel`: the worker joins the weight channel (channel.py) as rank 1 + its vLLM
   rank (tensor-parallel rank), next to the trainer's rank 0.
 - `grouprl_receive`: receives the announced tensors one by one (broadcast from rank 0) and loads
-  them through `reload_weights`, the path VLLMEngine.load_weights takes, streaming: each tensor
-  is handed to vLLM's layer-wise reload as it arrives. Two kinds:
-  - full: the model's weights under their transformers names.
+  them through vllm_push.load_into_vllm (vLLM's `reload_weights`), the path VLLMEngine.load_weights
+  takes, streaming: each tensor is handed to vLLM's layer-wise reload as it arrives. Two kinds:
+  - full: each distinct tensor of the model once, under its transformers name, with the other
+    names of tied tensors as aliases (vLLM gets it under the names it has modules for).
   - lora: only LoRA adapters (`NAME.weight::lora_A` [r, in], `NAME.weight::lora_B` [out, r] and
     a scaling per NAME.weight); the worker keeps the base weights it read from the model folder
     once (one extra copy of the weights in host memory) and reloads W = W0 + scaling * B @ A
     (computed in float32, cast to W0's dtype) with every other weight as in the folder. That
     is peft's merge for plain LoRA (no DoRA, fan_in_fan_out false), so the base model of the
-    trainer's peft policy must be the server's model folder. A tied head (tie_word_embeddings) is
-    sent as lm_head.weight too: without it vLLM kept its stale CPU copy of the head (measured).
+    trainer's peft policy must be the server's model folder. The trainer's aliases (its tied
+    tensors) apply to the folder's weights too: a tied head left out of the folder reaches vLLM's
+    head module under its own name where vLLM has one (else vLLM keeps a stale CPU copy of it).
 If loading fails part-way, the remaining tensors are still received (and dropped), so the trainer's
 broadcasts finish and the failure is reported to it over HTTP instead of as a timeout.
 """
@@ -32,6 +34,7 @@ from grouprl.policies.text.engines.server.channel import (
     join_store,
     open_group,
 )
+from grouprl.policies.text.engines.vllm_push import load_into_vllm
 
 LORA_A, LORA_B = "::lora_A", "::lora_B"
 
@@ -87,33 +90,30 @@ class WeightReceiver:
             broadcast(group, t, timeout_s)
             yield p["name"], t
 
-    def _grouprl_base_weights(self) -> dict[str, torch.Tensor]:
-        base = base_weights(self.vllm_config.model_config.model)
-        tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
-        if tied and "lm_head.weight" not in base and "model.embed_tokens.weight" in base:
-            # a tied head is left out of the folder, but vLLM re-processes the head (CPU: its
-            # packed copy) only when lm_head.weight arrives, as it does in a full state dict
-            base["lm_head.weight"] = base["model.embed_tokens.weight"]
-        return base
-
-    def grouprl_receive(self, kind: str, params: list[dict], scalings: dict[str, float]) -> int:
-        """Receive and load one push; returns the count of tensors received."""
+    def grouprl_receive(
+        self,
+        kind: str,
+        params: list[dict],
+        scalings: dict[str, float],
+        aliases: dict[str, list[str]] | None = None,
+    ) -> dict:
+        """Receive and load one push; returns load_into_vllm's report and the count received."""
         if getattr(self, "_grouprl_channel", None) is None:
             raise RuntimeError("no weight channel: the trainer has not joined this server yet")
+        aliases = aliases or {}
         stream = self._grouprl_stream(params)
         try:
             if kind == "full":
-                self.reload_weights(weights_iterator=stream)
+                report = load_into_vllm(self, stream, aliases)
             elif kind == "lora":
                 adapters = dict(stream)  # small: only the adapters travel
                 if getattr(self, "_grouprl_base", None) is None:
-                    self._grouprl_base = self._grouprl_base_weights()
-                self.reload_weights(
-                    weights_iterator=merge_lora(self._grouprl_base, adapters, scalings)
-                )
+                    self._grouprl_base = base_weights(self.vllm_config.model_config.model)
+                merged = merge_lora(self._grouprl_base, adapters, scalings)
+                report = load_into_vllm(self, merged, aliases)
             else:
                 raise ValueError(f"unknown push kind {kind!r} (full or lora)")
         finally:
             for _ in stream:  # drain: the trainer's broadcasts must complete either way
                 pass
-        return len(params)
+        return {**report, "received": len(params)}
