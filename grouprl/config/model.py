@@ -42,6 +42,15 @@ Dtype = Annotated[
 LoRA = Annotated[
     LoRAConfig | None, Field(description="Train LoRA adapters instead of all weights.")
 ]
+SupportCheck = Annotated[
+    Literal["refuse", "warn", "off"],
+    Field(
+        description="What the support matrix (docs/support_matrix.md, written by `python -m "
+        "grouprl.replicas sweep`) does with this model's architecture when the config is read: "
+        "refuse (a failed scoring check is an error, other failed checks and an architecture "
+        "not in the matrix are warnings), warn (everything a warning) or off."
+    ),
+]
 GradientCheckpointing = Annotated[
     bool,
     Field(
@@ -68,6 +77,7 @@ class TextModelConfig(Section):
         "completion tokens) or plain (one [prompt | completion] pass); same numbers.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    support_check: SupportCheck = "refuse"
 
 
 class VisionModelConfig(Section):
@@ -95,6 +105,7 @@ class VisionModelConfig(Section):
         "expanded cache) or plain (one [prompt | completion] pass per row); same numbers.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
+    support_check: SupportCheck = "refuse"
 
 
 class ImageModelConfig(Section):
