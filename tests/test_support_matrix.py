@@ -71,22 +71,22 @@ def test_tiny_config_reads_the_field_roles():
         "text_config": {"hidden_size": 2048, "num_attention_heads": 16,
                         "num_key_value_heads": 16, "num_hidden_layers": 24},
     })  # fmt: skip
-    assert (d["hidden_size"], d["num_attention_heads"], d["num_key_value_heads"]) == (64, 4, 2)
-    assert (d["head_dim"], d["intermediate_size"]) == (16, 128)
+    assert (d["hidden_size"], d["num_attention_heads"], d["num_key_value_heads"]) == (128, 4, 2)
+    assert (d["head_dim"], d["intermediate_size"]) == (32, 256)
     # the shortest prefix holding every kind of layer: 5 sliding then the full one
     assert d["num_hidden_layers"] == 6 and d["layer_types"][-1] == "full_attention"
     assert (d["num_local_experts"], d["num_experts_per_tok"]) == (4, 2)
     assert d["vocab_size"] == 256000  # holds the image token id
     assert d["sliding_window"] == 8
-    assert d["rope_parameters"]["mrope_section"] == [2, 3, 3]  # sums to head_dim / 2
+    assert d["rope_parameters"]["mrope_section"] == [4, 6, 6]  # sums to head_dim / 2
     t = d["text_config"]
-    assert (t["hidden_size"], t["num_key_value_heads"], t["num_hidden_layers"]) == (64, 4, 2)
+    assert (t["hidden_size"], t["num_key_value_heads"], t["num_hidden_layers"]) == (128, 4, 2)
 
 
 def test_tiny_config_builds_a_config_of_the_real_class():
     cfg = tiny_config("mixtral")
     assert type(cfg).__name__ == "MixtralConfig"
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts) == (64, 2, 4)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts) == (128, 2, 4)
 
 
 def test_lora_coverage_classifies_the_module_tree():

@@ -15,8 +15,8 @@ loads, by model.support_check:
   warn    every finding above is a warning
   off     the matrix is not consulted
 
-A model folder whose config.json cannot be read here (a hub id before download) is not checked
-at config time; the policy's loader reads the same config.json after download.
+A hub id's config.json is not read at config time (nothing is downloaded then): the text and VLM
+workloads check it through transformers just before the policy loads the weights.
 """
 
 from __future__ import annotations
@@ -153,16 +153,27 @@ def check_config_support(
             )
 
 
-def check_model_support(model: Any, *, uses_vllm: bool) -> None:
-    """The config check: a text / VLM model section whose name_or_path is a local folder with a
-    config.json, by model.support_check (other sections and hub ids: nothing to read yet)."""
+def check_model_support(model: Any, *, uses_vllm: bool, at_load: bool = False) -> None:
+    """A text / VLM model section by model.support_check (other sections: nothing to check).
+    At config read (at_load False): a local folder's config.json. At load (at_load True, just
+    before the policy loads weights): a hub id's config.json through transformers (a local
+    folder was checked at config read)."""
     kind = MATRIX_KIND.get(getattr(model, "type", None))
-    if kind is None:
-        return
     mode = getattr(model, "support_check", "refuse")
-    if mode == "off":
+    if kind is None or mode == "off":
         return
     config = _local_config(model.name_or_path)
+    if at_load and config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(
+                model.name_or_path, trust_remote_code=model.trust_remote_code
+            ).to_dict()
+        except (OSError, ValueError, KeyError):
+            return  # not loadable: the policy's loader reports it with its own message next
+    elif at_load:
+        return
     if config is None:
         return
     check_config_support(config, kind, mode, uses_lora=model.lora is not None,

@@ -33,6 +33,9 @@ def main(argv: list[str]) -> int:
                         help="time limit per architecture in seconds (default 180)")  # fmt: skip
     parser.add_argument("--vllm", action="store_true",
                         help="also compare vLLM's log-probs after a weight push (slow)")  # fmt: skip
+    parser.add_argument("--journal", type=Path, default=None,
+                        help="JSON-lines file of finished rows: written as the sweep goes, and "
+                        "read at start so an interrupted sweep resumes")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for support_matrix.json and support_matrix.md (default: the "
                         "package's JSON and docs/support_matrix.md)")  # fmt: skip
@@ -48,7 +51,8 @@ def main(argv: list[str]) -> int:
     previous = mx.load_matrix(json_path) if args.only else None
     start = time.monotonic()
     results = run_sweep(rows, jobs=args.jobs, limit_s=args.limit_s, vllm=args.vllm,
-                        progress=lambda line: print(line, flush=True))  # fmt: skip
+                        progress=lambda line: print(line, flush=True),
+                        journal=args.journal)  # fmt: skip
     command = "python -m grouprl.replicas sweep " + shlex.join(argv)
     meta = sweep_meta(command.strip(), time.monotonic() - start, args.jobs, args.limit_s)
     if previous is not None:  # a partial rerun: the full sweep's meta stays, this run is noted

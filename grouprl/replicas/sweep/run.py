@@ -18,12 +18,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from grouprl.replicas.sweep.worker import RESULT
+from grouprl.replicas.sweep.worker import READY, RESULT
 
 GRACE_S = 60.0
+WARM_UP_S = 900.0  # a worker's imports and replica builds, before its first architecture
 
 
 def targets(only: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -54,9 +56,26 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, env=env,
         )  # fmt: skip
+        self.ready = self._wait_ready()
+
+    def _wait_ready(self) -> bool:
+        end = time.monotonic() + WARM_UP_S
+        while (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                return False
+            if line.startswith(READY):
+                return True
+        self.kill()
+        return False
 
     def ask(self, request: dict, deadline_s: float) -> dict | str:
         """The result dict, or a string saying why none came (the worker is then dead)."""
+        if not self.ready:
+            return f"the worker process did not start within {WARM_UP_S:g} s"
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -99,15 +118,24 @@ def run_sweep(
     limit_s: float = 180.0,
     vllm: bool = False,
     progress: Callable[[str], None] | None = None,
+    journal: Path | None = None,
 ) -> dict[tuple[str, str], dict]:
-    """{(kind, name): {"architecture", "checks": {check: {"status", "reason"}}, "seconds"}}."""
+    """{(kind, name): {"architecture", "checks": {check: {"status", "reason"}}, "seconds"}}.
+    journal: a JSON-lines file each row is appended to as it completes; rows already in it are
+    taken from it, not rerun (an interrupted sweep resumes where it stopped)."""
     from grouprl.replicas.sweep.checks import CHECKS
     from grouprl.replicas.sweep.diffusion import DIFFUSION_CHECKS
 
+    out: dict[tuple[str, str], dict] = {}
+    if journal is not None and journal.is_file():
+        for line in journal.read_text().splitlines():
+            done = json.loads(line)
+            out[(done["kind"], done["name"])] = done["row"]
     todo: Queue = Queue()
     for row in rows:
-        todo.put(row)
-    out: dict[tuple[str, str], dict] = {}
+        if (row[0], row[1]) not in out:
+            todo.put(row)
+    out = {k: v for k, v in out.items() if k in {(r[0], r[1]) for r in rows}}
     lock = threading.Lock()
 
     def loop() -> None:
@@ -131,6 +159,10 @@ def run_sweep(
                 seconds = round(time.monotonic() - start, 1)
                 with lock:
                     out[(kind, name)] = {"architecture": arch, "checks": res, "seconds": seconds}
+                    if journal is not None:
+                        with journal.open("a") as f:
+                            f.write(json.dumps({"kind": kind, "name": name,
+                                                "row": out[(kind, name)]}) + "\n")  # fmt: skip
                     if progress:
                         marks = " ".join(f"{c}:{v['status']}" for c, v in res.items())
                         progress(f"[{len(out)}/{len(rows)}] {kind} {name} {seconds}s {marks}")

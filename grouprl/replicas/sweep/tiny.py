@@ -4,11 +4,11 @@
 dict (sub-configs such as text_config / vision_config included, at any depth) and shrinks each
 field by its role, read from the field's name, never from the family:
 
-  width      hidden_size, d_model, n_embd, embed_dim, projection / projector / out hidden sizes -> 64
+  width      hidden_size, d_model, n_embd, embed_dim, projection / projector / out hidden sizes -> 128
   heads      any `*heads*` count -> 4; key / value head counts -> 2 (MHA stays MHA: a kv count
              equal to the head count follows it; multi-query stays 1)
-  head dims  head_dim, kv_channels, d_kv, `*_head_dim` -> 16 (rotary parts -> 8)
-  mlp        `*intermediate_size*`, `*ffn_dim*`, n_inner, d_ff, mlp_dim -> 128
+  head dims  head_dim, kv_channels, d_kv, `*_head_dim` -> 32 (rotary parts -> 16)
+  mlp        `*intermediate_size*`, `*ffn_dim*`, n_inner, d_ff, mlp_dim -> 256
   depth      num_hidden_layers and its aliases (n_layer, num_layers, depth, encoder / decoder
              layers): the shortest prefix of the per-layer lists (layer_types, mlp_layer_types,
              ...) that holds every kind of layer they list, at least 2, at most 8; the per-layer
@@ -30,7 +30,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-WIDTH, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM, MLP, EXPERTS, TOP_K = 64, 4, 2, 16, 8, 128, 4, 2
+# head_dim 32: the smallest vLLM's CPU attention kernels take (the --vllm check loads these)
+WIDTH, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM, MLP, EXPERTS, TOP_K = 128, 4, 2, 32, 16, 256, 4, 2
 MIN_LAYERS, MAX_LAYERS, VOCAB, WINDOW, LOW_RANK, SSM_STATE = 2, 8, 1024, 8, 32, 16
 
 WIDTH_FIELDS = {
@@ -178,15 +179,16 @@ def shrink(d: dict) -> dict:
             d[k] = 1
         elif k in ("time_step_rank", "mamba_dt_rank"):
             d[k] = min(v, ROPE_DIM)
-        elif "vocab" in k and k != "vocab_size" and v > VOCAB:
+        elif "vocab" in k and "vocab_size" not in k and v > VOCAB:
             d[k] = VOCAB
     for key in ("rope_parameters", "rope_scaling"):
         rope = d.get(key)
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
             rope = d[key] = dict(rope)
             rope["mrope_section"] = _rescale(rope["mrope_section"], HEAD_DIM // 2)
-    if _is_int(d.get("vocab_size")) and d["vocab_size"] > VOCAB:
-        d["vocab_size"] = max(VOCAB, max(_token_ids(d), default=0) + 1)
+    for k in [k for k in d if isinstance(k, str) and "vocab_size" in k]:
+        if _is_int(d[k]) and d[k] > VOCAB:
+            d[k] = max(VOCAB, max(_token_ids(d), default=0) + 1)
     return d
 
 

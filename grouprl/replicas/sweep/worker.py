@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 RESULT = "@@sweep-result@@ "
+READY = "@@sweep-ready@@"
 
 
 class TimeLimit(BaseException):
@@ -53,6 +54,19 @@ def run_one(kind: str, name: str, limit_s: float, vllm: bool) -> dict[str, dict]
     return {c: results[c] for c in names if c in results}
 
 
+def warm_up() -> None:
+    """Imports and the replica folders every architecture uses, before the first time limit
+    starts (so the first architecture of a worker is not charged for them)."""
+    import peft  # noqa: F401
+
+    from grouprl.policies.text import causal_lm  # noqa: F401
+    from grouprl.policies.vision import policy  # noqa: F401
+    from grouprl.replicas.sweep import checks, diffusion  # noqa: F401
+
+    checks.tokenizer()
+    checks._replica_folder("qwen2-vl")
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -62,6 +76,9 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever model code prints goes to stderr
+    warm_up()
+    out.write(READY + "\n")
+    out.flush()
     for line in sys.stdin:
         req = json.loads(line)
         res = run_one(req["kind"], req["name"], req["limit_s"], req.get("vllm", False))
