@@ -50,7 +50,8 @@ def targets(only: list[str] | None = None) -> list[tuple[str, str, str]]:
 
 class _Worker:
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "grouprl.replicas.sweep.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
