@@ -23,9 +23,9 @@ skipped, naming it):
               AlgorithmConfig (advantages +1 / -1 in each group, on-policy old log-probs), AdamW
               (lr 1e-3): the loss and every gradient finite and the trainable weights changed
   reload      the policy's save_pretrained folder reloads with from_pretrained (float32) and
-              scores as the trained policy (|diff| <= 1e-4: the merged W + BA against the
-              unmerged adapter); the peft adapter (dir/adapter) on a copy of the initial base
-              weights scores the same
+              scores as the trained model on grouprl's plain path (|diff| <= 1e-4: the merged
+              W + BA against the unmerged adapter); the peft adapter (dir/adapter) on a copy of
+              the initial base weights scores the same
   vllm        only with vllm=True, where vLLM's ModelRegistry lists the architecture: see
               vllm_check.py; otherwise skip
 
@@ -269,7 +269,7 @@ def check_train_step(policy: Any, batch: TokenBatch) -> str:
         advantages=advantages, mask=mask, algo=algo, counts=count_tokens(mask),
     ).loss  # fmt: skip
     if not torch.isfinite(loss):
-        raise CheckFailed(f"the loss is {float(loss)}")
+        raise CheckFailed(f"the loss is {float(loss.detach())}")
     opt = torch.optim.AdamW(params, lr=1e-3)
     loss.backward()
     bad = [i for i, p in enumerate(params) if p.grad is not None and not p.grad.isfinite().all()]
@@ -280,7 +280,7 @@ def check_train_step(policy: Any, batch: TokenBatch) -> str:
     moved = max(float((p.detach() - b).abs().max()) for p, b in zip(params, before))
     if not moved > 0:
         raise CheckFailed("one AdamW step left every trainable weight unchanged")
-    return f"loss {float(loss):.4f}, max weight change {moved:.1e}"
+    return f"loss {float(loss.detach()):.4f}, max weight change {moved:.1e}"
 
 
 def check_reload(kind: str, policy: Any, base: Any, batch: TokenBatch) -> str:
@@ -290,8 +290,9 @@ def check_reload(kind: str, policy: Any, base: Any, batch: TokenBatch) -> str:
     from grouprl.policies.text.engines.base import unwrap_peft
 
     auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForImageTextToText
-    with torch.no_grad():
-        expected = policy_logprobs(policy, batch)  # [N, T]
+    with torch.no_grad():  # the trained model (adapter active), scored as the reload will be:
+        # the VLM policy's own log_probs leave its image placeholders out of the softmax
+        expected = grouprl_logprobs(unwrap_peft(policy.model), batch, "plain")  # [N, T]
     with tempfile.TemporaryDirectory(prefix="sweep-ckpt-") as tmp:
         policy.save_pretrained(tmp)
         reloaded = auto.from_pretrained(tmp, dtype=torch.float32).eval()

@@ -16,8 +16,9 @@ field by its role, read from the field's name, never from the family:
   experts    expert counts -> 4, experts per token -> at most 2, expert groups -> 1, dense
              prefix (first_k_dense_replace) -> at most 1, so layer 2 of 2 is an MoE layer
   MLA        kv / q low-rank sizes -> 32
-  vocab      vocab_size -> 1024, or one more than the largest special-token id the config names
-             (image / video / boi tokens ...), so every id the config uses stays in the table
+  vocab      vocab_size -> 1024; the special-token ids the config names (image / video / boi
+             tokens ...) at or past 1024 are renumbered below it (small_ids), so every id the
+             config uses stays in the table (`shrink` alone keeps vocab_size above them)
   windows    sliding_window, attention_chunk_size -> 8, so the sweep's 16-token rows cross them
   rope       an mrope section list is rescaled to sum to head_dim / 2
 
@@ -55,8 +56,25 @@ SSM_STATE_FIELDS = {"state_size", "mamba_d_state", "ssm_state_size"}
 # the SSM's inner width is expand * hidden = heads * head_dim: with expand 1 the tiny widths agree
 EXPAND_FIELDS = {"expand", "mamba_expand", "n_groups", "mamba_n_groups"}
 
-# model type -> (fields set after the generic rules, why the rules cannot derive them)
-EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {}
+# model type -> (fields merged into the shrunk config dict, why the rules cannot derive them)
+_MROPE_WHY = (
+    "its model code defaults mrope_section (absent from the config) to the full-size split of "
+    "the rotary half; the tiny head needs a split of its own rotary half (the sum the code checks)"
+)
+EXCEPTIONS: dict[str, tuple[dict[str, Any], str]] = {
+    **{t: ({"text_config": {"rope_parameters": {"mrope_section": [4, 6, 6]}}}, _MROPE_WHY)
+       for t in ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "paddleocr_vl", "glm4v",
+                 "glm46v", "glm_ocr", "glmga")},
+    "glm4v_moe": ({"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}}, _MROPE_WHY),
+}  # fmt: skip
+
+
+def _merge(d: dict, fields: dict) -> dict:
+    """d with `fields` merged in (nested dicts merged, other values replaced)."""
+    out = dict(d)
+    for k, v in fields.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else copy.deepcopy(v)
+    return out
 
 
 def _is_int(v: Any) -> bool:
@@ -104,6 +122,7 @@ def shrink(d: dict) -> dict:
     d = copy.deepcopy(d)
     old_layers, layers = _depth(d)
     heads = d.get("num_attention_heads", d.get("n_head", d.get("num_heads")))
+    rope_dim = d.get("qk_rope_head_dim")
     for k, v in list(d.items()):
         if not isinstance(k, str):  # id2label's keys
             continue
@@ -156,7 +175,11 @@ def shrink(d: dict) -> dict:
         elif k == "multi_query_group_num":
             d[k] = KV_HEADS
         elif k in HEAD_DIM_FIELDS or k.endswith(("_head_dim", "_d_head")):
-            d[k] = ROPE_DIM if ("rope" in k or "nope" in k) else HEAD_DIM
+            # a head dim equal to the rotary part's (MLA: head_dim is the rope dim) stays equal
+            rope = ("rope" in k or "nope" in k) or v == rope_dim
+            d[k] = ROPE_DIM if rope else HEAD_DIM
+        elif k == "rotary_dim":  # the rotated part of each head, at most the head dim
+            d[k] = min(v, ROPE_DIM)
         elif "intermediate_size" in k or "ffn_dim" in k or k in MLP_FIELDS:
             d[k] = MLP
         elif k in EXPERT_FIELDS:
@@ -192,6 +215,33 @@ def shrink(d: dict) -> dict:
     return d
 
 
+def _remap_ids(d: Any, mapping: dict[int, int]) -> Any:
+    """A copy of a config dict tree with its special-token ids renumbered by `mapping`."""
+    if isinstance(d, dict):
+        return {k: mapping.get(v, v) if _is_id_field(k, v) else
+                [mapping.get(x, x) for x in v] if _is_id_list(k, v) else _remap_ids(v, mapping)
+                for k, v in d.items()}  # fmt: skip
+    return d
+
+
+def _is_id_field(k: Any, v: Any) -> bool:
+    return isinstance(k, str) and k.endswith(("token_id", "token_index")) and _is_int(v)
+
+
+def _is_id_list(k: Any, v: Any) -> bool:
+    return isinstance(k, str) and k.endswith(("token_id", "token_ids")) and isinstance(v, list)
+
+
+def small_ids(d: dict) -> dict:
+    """Special-token ids at or past VOCAB renumbered from VOCAB - 1 down (distinct ids stay
+    distinct, every field naming the same id gets the same new one), so a family whose image /
+    control tokens sit at the end of a 150k-260k vocabulary keeps a vocabulary of VOCAB."""
+    ids = set(_token_ids(d))
+    big = sorted(i for i in ids if i >= VOCAB)
+    free = [i for i in range(VOCAB - 1, -1, -1) if i not in ids]
+    return _remap_ids(d, dict(zip(big, free))) if big else d
+
+
 def tiny_config(model_type: str, causal: bool = True) -> Any:
     """The config class of `model_type` with its defaults shrunk by `shrink` (and EXCEPTIONS).
     causal: built as a causal LM, so a config that is also an encoder's (BERT-style) is set up as
@@ -199,16 +249,19 @@ def tiny_config(model_type: str, causal: bool = True) -> Any:
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
-    d = shrink(base.to_dict())
+    d = shrink(small_ids(base.to_dict()))
     if causal and "is_decoder" in d and not d.get("is_encoder_decoder"):
         d["is_decoder"] = True
     # a sub-config's vocabulary must hold the ids its parent config names (image tokens ...)
     top = max(_token_ids(d), default=0) + 1
     for sub in d.values():
-        if isinstance(sub, dict) and _is_int(sub.get("vocab_size")) and sub["vocab_size"] < top:
-            sub["vocab_size"] = top
+        if not isinstance(sub, dict):
+            continue
+        for k, v in sub.items():
+            if isinstance(k, str) and "vocab_size" in k and _is_int(v) and VOCAB <= v < top:
+                sub[k] = top
     fields, _ = EXCEPTIONS.get(model_type, ({}, ""))
-    d.update(copy.deepcopy(fields))
+    d = _merge(d, fields)
     d.pop("transformers_version", None)
     config = type(base).from_dict(d)
     config.torch_dtype = None  # build in float32 whatever the family ships
