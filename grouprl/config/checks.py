@@ -115,6 +115,9 @@ def check_combinations(cfg: Config) -> None:
             "diffusion.ratio_norm='grpo_guard' clips with algorithm.surrogate.eps_high; surrogate "
             f"{a.surrogate.type!r} has no clip range (use type clip)"
         )
+    from grouprl.policies.support import check_model_support
+
+    check_model_support(cfg.model, uses_vllm=r.engine.startswith("vllm"))
     check_hooks(cfg)
     check_bounded_async(cfg)
     check_tree(cfg)

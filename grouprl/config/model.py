@@ -73,6 +73,15 @@ ChatFallback = Annotated[
         "assistant tool calls written as text); error refuses, naming the template."
     ),
 ]
+SupportCheck = Annotated[
+    Literal["refuse", "warn", "off"],
+    Field(
+        description="What the support matrix (docs/support_matrix.md, written by `python -m "
+        "grouprl.replicas sweep`) does with this model's architecture when the config is read: "
+        "refuse (a failed scoring check is an error, other failed checks and an architecture "
+        "not in the matrix are warnings), warn (everything a warning) or off."
+    ),
+]
 GradientCheckpointing = Annotated[
     bool,
     Field(
@@ -100,6 +109,7 @@ class TextModelConfig(Section):
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
     chat_fallback: ChatFallback = "announce"
+    support_check: SupportCheck = "refuse"
 
 
 class VisionModelConfig(Section):
@@ -128,6 +138,7 @@ class VisionModelConfig(Section):
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub.")
     chat_fallback: ChatFallback = "announce"
+    support_check: SupportCheck = "refuse"
 
 
 class ImageModelConfig(Section):

@@ -5,11 +5,14 @@ name, built in code and saved in the folder layout of the hub download (for test
     build_replica("sd3.5-medium", "/tmp/sd35")      # then model.name_or_path=/tmp/sd35
     python -m grouprl.replicas --list
     python -m grouprl.replicas sd3.5-medium /tmp/sd35
+    python -m grouprl.replicas sweep    # every registered architecture -> the support matrix
 
 `REPLICAS` maps a name to its builder `fn(folder) -> folder`; each family's module docstring names
 the real model it copies and the settings copied (diffusion.py: image / video pipelines and the
-CLIP reward models; text.py: Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.2, Mistral v0.3, Mixtral and
-GPT-2 with their chat templates, chat_templates.py; vision.py: the image-text-to-text families).
+CLIP reward models; text.py: Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.2, Mistral v0.3, Mixtral, GPT-2,
+Gemma 2 and Phi-3 with their chat templates, chat_templates.py; vision.py: the image-text-to-text
+families). The sweep (sweep/) builds tiny models of every architecture transformers registers from
+their config classes, not from this registry, and checks this registry's diffusion pipelines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`python -m grouprl.replicas NAME FOLDER` builds one replica; `--list` prints the names."""
+"""`python -m grouprl.replicas NAME FOLDER` builds one replica; `--list` prints the names;
+`python -m grouprl.replicas sweep ...` runs the architecture sweep (grouprl/replicas/sweep/)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from grouprl.replicas import REPLICAS, build_replica
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:
+        from grouprl.replicas.sweep import main as sweep
+
+        return sweep(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m grouprl.replicas", description=__doc__)
     parser.add_argument("name", nargs="?", help="replica name (see --list)")
     parser.add_argument("folder", nargs="?", help="output folder (created)")

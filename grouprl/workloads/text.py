@@ -56,6 +56,9 @@ def causal_lm_policy(
         model, tokenizer = loaded
         policy = CausalLMPolicy(model, tokenizer, compute_dtype=m.dtype, engine=engine, **settings)
     else:
+        from grouprl.policies.support import check_model_support  # a hub id's config.json
+
+        check_model_support(m, uses_vllm=cfg.rollout.engine.startswith("vllm"), at_load=True)
         policy = CausalLMPolicy.from_pretrained(
             m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, engine=engine,
             **settings,

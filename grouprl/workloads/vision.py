@@ -52,6 +52,9 @@ def vision_policy(cfg: Any, device: torch.device) -> VisionLMPolicy:
             f"rollout.engine={cfg.rollout.engine!r} does not sample from vision-language models; "
             f"workload vlm samples with one of {sorted(VISION_ENGINES)}"
         )
+    from grouprl.policies.support import check_model_support  # a hub id's config.json
+
+    check_model_support(m, uses_vllm=cfg.rollout.engine.startswith("vllm"), at_load=True)
     policy = VisionLMPolicy.from_pretrained(
         m.name_or_path,
         dtype=m.dtype,
