@@ -79,7 +79,7 @@ def test_flow_grpo_has_the_paper_defaults():
     assert (d.sampler, d.noise_level, d.rollout_steps, d.eval_steps) == ("flow_sde", 0.7, 10, 40)
     assert (d.adv_clip_max, d.train_steps.type, d.guidance_scale) == (5.0, "all_but_last", 4.5)
     assert (cfg.model.lora.r, cfg.model.lora.alpha) == (32, 64)
-    assert "attn.to_q" in cfg.model.lora.target_modules and cfg.rollout.group_size == 24
+    assert cfg.model.lora.target_modules == "attention" and cfg.rollout.group_size == 24
 
 
 def test_the_siblings_differ_where_their_papers_do():
@@ -141,7 +141,7 @@ def test_the_users_values_win_and_a_partial_lora_mapping_is_completed():
     assert (cfg.diffusion.noise_level, cfg.diffusion.guidance_scale) == (0.9, 1.0)
     assert cfg.diffusion.rollout_steps == 10 and cfg.rollout.group_size == 4
     assert (cfg.model.lora.r, cfg.model.lora.alpha) == (8, 64)  # the rest from the preset
-    assert "attn.to_q" in cfg.model.lora.target_modules
+    assert cfg.model.lora.target_modules == "attention"
     with pytest.warns(UserWarning, match=r"model\.lora=None"):
         full = validate(
             {**MINIMAL, "model": {"name_or_path": "x", "type": "flow", "lora": None},

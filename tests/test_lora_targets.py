@@ -276,3 +276,49 @@ def test_peft_name_conversion_is_refused_by_name_before_any_step():
         tf.DeepseekV3ForCausalLM(cfg), char_tokenizer(), lora={"r": 2, "target_modules": attention}
     )
     assert _trainable_leaves(policy) == set(attention) | {"experts"}
+
+
+FLOW_GRPO_NAMES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                   "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["sd3.5-medium", "wan2.1-t2v", "sana-1.6b"])
+def test_attention_targets_follow_the_denoisers_classes(tmp_path, name):
+    """target_modules "attention" (the flow presets') adapts every linear layer inside a
+    diffusers attention module, whatever the family calls its blocks: Flow-GRPO's SD3 names
+    ("attn.to_q", ...) match nothing in Wan's or SANA's attn1 / attn2, the classes do."""
+    import diffusers
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    from grouprl.policies.flow.policy import FlowPolicy
+    from grouprl.policies.lora_targets import resolve_targets
+    from grouprl.policies.text.lora import LoRASettings
+    from grouprl.replicas import build_replica
+
+    folder = build_replica(name, tmp_path / name)
+    index = json.loads((folder / "model_index.json").read_text())
+    net = getattr(diffusers, index["transformer"][1]).from_pretrained(folder / "transformer")
+    found = resolve_targets(net, LoRASettings(target_modules="attention"), every_entry=False)
+    owners = [n for n, m in net.named_modules() if isinstance(m, AttentionModuleMixin | Attention)]
+    linears = {n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    want = {n for n in linears if any(n.startswith(o + ".") for o in owners)}
+    assert set(found.modules) == want and want
+    by_name = {n for n in linears if any(n == e or n.endswith("." + e) for e in FLOW_GRPO_NAMES)}
+    if name == "sd3.5-medium":  # the names' set, plus the dual-attention blocks' attn2
+        assert by_name < want and all(".attn2." in n for n in want - by_name)
+    else:
+        assert not by_name  # the old fixed list adapted nothing here
+    shape = (net.config.in_channels, 2, 8, 8) if name.startswith("wan") else (4, 8, 8)
+    pol = FlowPolicy(net, latent_shape=shape, lora={"r": 2, "alpha": 4,
+                                                    "target_modules": "attention"})  # fmt: skip
+    adapted = {n for n, m in pol.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == want
+
+
+def test_attention_targets_refused_on_a_model_without_diffusers_attention():
+    from grouprl.policies.lora_targets import resolve_targets
+    from grouprl.policies.text.lora import LoRASettings
+
+    with pytest.raises(ValueError, match="'attention' selects the linear layers of diffusers"):
+        resolve_targets(_model("qwen2"), LoRASettings(target_modules="attention"))

@@ -25,11 +25,13 @@ class LoRAConfig(Section):
         description="Dropout on the LoRA input (must be 0 when parameters are targeted: peft's "
         "parameter LoRA has no input dropout).",
     )  # fmt: skip
-    target_modules: Literal["all-linear"] | list[str] = Field(
+    target_modules: Literal["all-linear", "attention"] | list[str] = Field(
         "all-linear",
         description="all-linear: every linear layer (nn.Linear / Conv1D) of the language model "
         "except the output head, as peft resolves it (fused qkv_proj / gate_up_proj included; "
-        "a VLM's vision tower and projector excluded). Or module names, peft's rule: an entry "
+        "a VLM's vision tower and projector excluded). attention (flow / unet denoisers): every "
+        "linear layer inside a diffusers attention module, whatever the family calls its "
+        "blocks (what the flow presets set). Or module names, peft's rule: an entry "
         "matches a module whose dotted path is the entry or ends with '.' + entry; an entry "
         "that matches no linear layer is an error listing the linear layers' names. "
         "flow / unet: the family's attention projections unless set.",

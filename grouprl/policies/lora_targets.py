@@ -10,6 +10,13 @@ what gets an adapter, before any adapter is made:
   linear layers like any other, so they are covered. A list keeps peft's name semantics: an entry
   matches a module whose dotted path is the entry or ends with "." + entry; every entry must match
   a linear layer, else an error lists the linear leaf names there are.
+- `target_modules: "attention"` (diffusers denoisers: what the flow presets use): every linear
+  layer inside one of the denoiser's attention modules, i.e. a module whose class is one of
+  diffusers' attention classes (`AttentionModuleMixin`, `attention_processor.Attention`): SD3's
+  and FLUX's joint-attention projections (to_q / to_k / to_v / to_out.0 and the add_* ones),
+  Wan's and SANA's attn1 / attn2, whatever the family names its blocks. Read from the classes,
+  not from a list of names that holds for one family (Flow-GRPO's "attn.to_q", ... matched
+  nothing in Wan or SANA).
 - `target_parameters: "experts"` (the default): every 3-D parameter of the language model that is
   not owned by a torch.nn layer: the stacked expert weights that transformers 5 MoE families
   (Qwen2/3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3, ...) keep as one [E, out, in] (or
@@ -48,6 +55,7 @@ from typing import Any
 
 TARGETS_FILE = "lora_targets.json"
 ALL_LINEAR = "all-linear"
+ATTENTION = "attention"
 EXPERTS = "experts"
 NO_PARAMETERS = "none"
 
@@ -124,6 +132,24 @@ def expert_parameters(model: Any, scope: Any = None) -> list[str]:
     return sorted(out)
 
 
+def _attention_classes() -> tuple[type, ...]:
+    """diffusers' attention module classes (the mixin of 0.35+ attention classes, and the older
+    generic Attention that SANA and the UNets still use); () without diffusers."""
+    try:
+        from diffusers.models.attention import AttentionModuleMixin
+        from diffusers.models.attention_processor import Attention
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return ()
+    return (AttentionModuleMixin, Attention)
+
+
+def attention_linears(model: Any, linears: list[str]) -> list[str]:
+    """The names among `linears` that sit inside a diffusers attention module of `model`."""
+    kinds = _attention_classes()
+    owners = [n for n, m in model.named_modules() if kinds and isinstance(m, kinds)]
+    return [n for n in linears if any(n.startswith(f"{o}.") for o in owners)]
+
+
 def _leaf(name: str) -> str:
     """The last path segment, or the last two when it is an index (`to_out.0`)."""
     parts = name.split(".")
@@ -148,12 +174,18 @@ def resolve_targets(
     experts = expert_parameters(model, scope)
     wanted = settings.target_modules
     if isinstance(wanted, str):
-        if wanted != ALL_LINEAR:
+        if wanted not in (ALL_LINEAR, ATTENTION):
             raise ValueError(
-                f"lora.target_modules must be {ALL_LINEAR!r} or a list of module names, got "
-                f"{wanted!r}"
+                f"lora.target_modules must be {ALL_LINEAR!r}, {ATTENTION!r} or a list of module "
+                f"names, got {wanted!r}"
             )
-        modules = linears
+        modules = linears if wanted == ALL_LINEAR else attention_linears(model, linears)
+        if wanted == ATTENTION and not modules:
+            raise ValueError(
+                f"lora.target_modules {ATTENTION!r} selects the linear layers of diffusers "
+                f"attention modules, and {type(model).__name__} has none; use {ALL_LINEAR!r} or "
+                f"module names (its linear layers: {_leaf_names(linears)})"
+            )
     else:
         pool = linears + ([head] if head else [])  # an explicit list may name the output head
         missing = [e for e in wanted if not any(_matches(n, e) for n in pool)]

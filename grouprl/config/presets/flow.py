@@ -51,16 +51,17 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-# LoRA targets: Flow-GRPO's 8 attention projections of SD3 / FLUX transformer blocks (peft matches
-# name suffixes; blocks without the `add_*` projections simply have fewer), the UNet's for DDPO.
-_TRANSFORMER_LORA = (
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-)  # fmt: skip
+# LoRA targets: Flow-GRPO adapts the attention projections of SD3 / FLUX transformer blocks
+# ("attn.to_q", ..., "attn.add_q_proj", ..., "attn.to_add_out"); written as names they match
+# nothing in Wan or SANA (attn1 / attn2), so the presets ask for "attention": every linear layer
+# of a diffusers attention module, read from the denoiser's classes (policies/lora_targets.py).
+# Deviation: on SD3.5's dual-attention blocks this includes the second self-attention (attn2),
+# which the name list skipped. The UNet list is DDPO's.
+_TRANSFORMER_LORA = "attention"
 _UNET_LORA = ("to_q", "to_k", "to_v", "to_out.0")
 
 
-def _lora(r: int, alpha: int, targets: tuple[str, ...]) -> MappingProxyType:
+def _lora(r: int, alpha: int, targets: str | tuple[str, ...]) -> MappingProxyType:
     return MappingProxyType({"r": r, "alpha": alpha, "target_modules": targets})
 
 

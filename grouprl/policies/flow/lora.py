@@ -83,7 +83,9 @@ def add_lora(model: torch.nn.Module, settings: LoRASettings) -> LoRATargets:
     targets = resolve_targets(
         model, dataclasses.replace(settings, target_parameters="none"), every_entry=False
     )
-    config = _peft_config(settings)
+    # peft gets the resolved full names: it reads a string as "all-linear" or a regex, and
+    # "attention" is grouprl's (lora_targets.ATTENTION), resolved from the classes above
+    config = _peft_config(dataclasses.replace(settings, target_modules=list(targets.modules)))
     try:
         if hasattr(model, "add_adapter") and hasattr(model, "_hf_peft_config_loaded"):
             model.add_adapter(config, adapter_name=ADAPTER)  # diffusers models
@@ -150,7 +152,10 @@ def save_lora(
     load_into_transformer_2=True)."""
     state = lora_state_dict(model)
     meta = _peft_config(settings).to_dict()
-    if not isinstance(meta["target_modules"], str):
+    if isinstance(settings.target_modules, str):  # "attention" / "all-linear": what was adapted
+        layers = set(lora_layers(model))
+        meta["target_modules"] = sorted(n for n, m in model.named_modules() if m in layers)
+    else:
         meta["target_modules"] = sorted(meta["target_modules"])
     directory.mkdir(parents=True, exist_ok=True)
     if family.pipeline is not None:

@@ -49,21 +49,45 @@ def _denoiser(folder: Path) -> tuple[str, str]:
     raise CheckFailed(f"model_index.json names no transformer or unet: {sorted(index)}")
 
 
-def _config(folder: Path, out: Path, denoiser: str, cls_name: str) -> Any:
+def _image_conditioned(folder: Path) -> bool:
+    """The pipeline class conditions every step on a reference image (FLUX.1 Kontext), read
+    from grouprl's table of supported pipelines."""
+    from grouprl.policies.flow.models import IMAGE_CONDITIONED
+    from grouprl.policies.flow.pipelines import SUPPORTED_PIPELINES
+
+    index = json.loads((folder / "model_index.json").read_text())
+    support = SUPPORTED_PIPELINES.get(index.get("_class_name"))
+    return support is not None and support.family in IMAGE_CONDITIONED
+
+
+def _side(pipe: Any, denoiser: str) -> int:
+    """Image side in pixels that gives the denoiser a latent of at least 2 patches a side: the
+    VAE's downsampling (SANA's DC-AE 32x, Wan 2.2 TI2V's 16x, the KL VAEs' 8x) read from the
+    pipeline, times the denoiser's patch size."""
+    from grouprl.policies.flow.models import vae_scale
+
+    spatial = vae_scale(getattr(pipe, "vae", None))[0]
+    patch = getattr(getattr(pipe, denoiser).config, "patch_size", 1) or 1
+    patch = max(patch) if isinstance(patch, list | tuple) else int(patch)
+    return max(16, spatial * patch * 2)
+
+
+def _config(folder: Path, out: Path, denoiser: str, cls_name: str, side: int = 16) -> Any:
     from grouprl.config.loading import validate
 
     video = "3D" in cls_name
     unet = denoiser == "unet"
+    condition = {"condition": "prompt_image"} if _image_conditioned(folder) else {}
     return validate({
         "run": {"name": "sweep", "output_dir": str(out), "seed": 0, "device": "cpu",
                 "console": False},
         "model": {"type": "unet" if unet else "flow", "name_or_path": str(folder),
-                  "max_sequence_length": 8},
+                  "max_sequence_length": 8, **condition},
         "task": {"name": "image_prompts", "options": {"source": "shapes", "n_eval": 2}},
         "rewards": [{"name": "color_area"}],
         "rollout": {"prompts_per_step": 1, "group_size": 2},
         "algorithm": {"preset": "ddpo" if unet else "flow_grpo", "kl_coef": 0.0},
-        "diffusion": {"height": 16, "width": 16, "rollout_steps": 3, "eval_steps": 3,
+        "diffusion": {"height": side, "width": side, "rollout_steps": 3, "eval_steps": 3,
                       "guidance_scale": 1.0, "num_frames": 5 if video else 1},
         "train": {"steps": 1, "lr": 1e-3},
     })  # fmt: skip
@@ -94,8 +118,16 @@ def check_pipeline(name: str, *, results: dict | None = None) -> dict[str, dict]
         return results
     try:
         torch.manual_seed(0)
-        policy = build_flow_policy(_config(folder, tmp / "run", denoiser, cls_name), "cpu")
-        rollout = policy.sample(["a red square"], 2, generator=torch.Generator().manual_seed(0))
+        config = _config(folder, tmp / "run", denoiser, cls_name, _side(original, denoiser))
+        policy = build_flow_policy(config, "cpu")
+        cond: Any = ["a red square"]
+        if _image_conditioned(folder):  # a reference image to edit (a gray square)
+            from PIL import Image
+
+            cond = policy.with_reference_images(
+                policy.encode(cond), [Image.new("RGB", (16, 16), (128, 128, 128))]
+            )
+        rollout = policy.sample(cond, 2, generator=torch.Generator().manual_seed(0))
         out = policy.log_probs(rollout.actions)
         logp = out.logp  # [n, K]
         if not logp.isfinite().all():
