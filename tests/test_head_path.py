@@ -7,8 +7,10 @@ soft-capping 30 and attention soft-capping 50), Cohere (`logit_scale`), Granite
 (`logits_scaling`). Their LM heads are scaled so the logits have a real model's spread (|z| up
 to ~40; a random tiny model's logits are ~0.1, where soft-capping at 30 is invisible). Checked:
 both scoring paths and the engines equal log_softmax(model(...).logits) in values and
-gradients; the load-time probe's choice and its fallback; the first-step gap guard stopping a
-run whose engine samples with other weights, and only warning with the switch.
+gradients; the load-time probe's choice and its fallback; the same on the `gemma2` replica
+(hub folder, tied head, float32 and its own bfloat16) and a `grouprl train` of it; the
+first-step gap guard stopping a run whose engine samples with other weights, and only warning
+with the switch.
 """
 
 from __future__ import annotations
@@ -97,13 +99,19 @@ def _batch() -> TokenBatch:
     return TokenBatch(p, p_mask, c.masked_fill(~c_mask, 0), c_mask, torch.zeros(4, dtype=bool))
 
 
-def _forward_logp(model, b: TokenBatch) -> torch.Tensor:
-    """log_softmax(model(...).logits) of the completion tokens [N, T], masked slots 0."""
+def _forward_logp(model, b: TokenBatch, bare_head: bool = False) -> torch.Tensor:
+    """log_softmax(model(...).logits) of the completion tokens [N, T], masked slots 0.
+    bare_head: the old scoring instead, the plain linear head on the decoder's last hidden states
+    (the model's own post-processing skipped)."""
     P = b.prompt_ids.shape[1]
     ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
     mask = torch.cat([b.prompt_mask, b.completion_mask], 1)
     pos = (mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits
+    kw = dict(input_ids=ids, attention_mask=mask.long(), position_ids=pos)
+    if bare_head:
+        logits = model.get_output_embeddings()(model.get_decoder()(**kw).last_hidden_state)
+    else:
+        logits = model(**kw).logits
     logp = torch.log_softmax(logits[:, P - 1 : -1].float(), -1)
     out = logp.gather(-1, b.completion_ids[..., None])[..., 0]
     return out.masked_fill(~b.completion_mask, 0.0)
@@ -156,11 +164,9 @@ def test_head_kind_is_read_from_the_model():
     assert output_head(unit).kind == "linear"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("engine", [FastEngine, HFEngine])
-def test_engine_logprobs_agree_with_scoring(family, engine):
-    model = FAMILIES[family]()
-    tok = char_tokenizer()
+def _engine_gap(model, tok, engine) -> float:
+    """max |engine log-prob - scoring log-prob| over the tokens `engine` samples from 4 prompts
+    (2 groups of 2)."""
     prompts = [[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2
     torch.manual_seed(0)
     out = engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=6))
@@ -181,7 +187,13 @@ def test_engine_logprobs_agree_with_scoring(family, engine):
     b = TokenBatch(pid, pm, cid, cm, torch.zeros(4, dtype=bool))
     with torch.no_grad():
         logp, _ = completion_logprobs(model, b, with_entropy=False)
-    assert (logp - elp).abs()[cm].max() < 1e-4
+    return float((logp - elp).abs()[cm].max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("engine", [FastEngine, HFEngine])
+def test_engine_logprobs_agree_with_scoring(family, engine):
+    assert _engine_gap(FAMILIES[family](), char_tokenizer(), engine) < 1e-4
 
 
 def test_load_time_probe_keeps_the_fast_path_and_names_the_head():
@@ -302,6 +314,88 @@ def test_first_step_gap_passes_a_sound_run_and_says_so(tmp_path, tiny_model_dir,
     out = capsys.readouterr().out
     assert "first-step log-prob gap: mean |trainer - engine|" in out
     assert "log-prob head path: Qwen2ForCausalLM: the plain linear LM head" in out
+
+
+# ---- the gemma2 replica: hub layout, tied soft-capped head, bfloat16 on disk ------------------
+
+
+@pytest.fixture(scope="module")
+def gemma2_folder(tmp_path_factory):
+    """The `gemma2` replica with its tied embedding / head scaled so the head's raw logits reach
+    |z| ~ 60 on random ids (a real model's spread, where soft-capping at 30 matters; at 40 the
+    train test's chat prompts stay under the cap: the old bare head's first-step gap was 0.009
+    nats there, 15.5 at 60), saved again as the hub folder it was (tokenizer, template,
+    generation config untouched)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from grouprl.replicas import build_replica
+
+    root = tmp_path_factory.mktemp("gemma2")
+    folder = shutil.copytree(build_replica("gemma2", root / "replica"), root / "scaled")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    assert head.weight is model.get_input_embeddings().weight  # tied: scaled together
+    with torch.no_grad():
+        ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(1))
+        raw = head(model.get_decoder()(input_ids=ids).last_hidden_state)  # [2, 12, vocab]
+        head.weight.mul_(60.0 / raw.abs().max())
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["fast", "plain"])
+def test_gemma2_replica_scoring_equals_its_forward(gemma2_folder, dtype, path):
+    from grouprl.policies.text.scoring_probe import PROBE_BOUNDS
+
+    policy = CausalLMPolicy.from_pretrained(str(gemma2_folder), dtype=dtype, logprob_path=path)
+    assert policy.logprob_path == path  # the load-time probe kept the path: it reproduces
+    assert "Gemma2ForCausalLM" in policy.head_note and "own head function" in policy.head_note
+    b = _batch()
+    with torch.no_grad():
+        ref = _forward_logp(policy.model, b)  # [N, T]
+        logp = policy.log_probs(b, with_entropy=False).logp
+        bare = _forward_logp(policy.model, b, bare_head=True)
+    assert (logp - ref).abs().max() < PROBE_BOUNDS[getattr(torch, dtype)]  # 1e-4 / 0.1
+    # the contrast: the old bare-head scoring of the same rows is off by nats
+    assert (bare - ref).abs().max() > 1.0
+
+
+@pytest.mark.parametrize("engine", [FastEngine, HFEngine])
+def test_gemma2_replica_engines_agree_with_scoring(gemma2_folder, engine):
+    policy = CausalLMPolicy.from_pretrained(str(gemma2_folder))
+    assert _engine_gap(policy.model, policy.tokenizer, engine) < 1e-4
+
+
+def test_grouprl_train_on_the_gemma2_replica(gemma2_folder, tmp_path, capsys):
+    """`grouprl train` of the shipped GSM8K config (LoRA, bfloat16, a system prompt) on the
+    replica, 2 steps: the first-step gap guard passes (a trainer without soft-capping is ~1 nat
+    off here) and the system prompt is folded into the first user turn, announced once."""
+    import json
+    import warnings
+
+    from test_chat_probe import _fallback_warnings, _gsm8k
+
+    from grouprl.rollouts import chat_probe
+
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [("What is 2+3?", "#### 5"), ("What is 4+4?", "#### 8"), ("1+6?", "#### 7")]
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    chat_probe._ANNOUNCED.clear()  # announcements are once per process
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        rc = _gsm8k({"gemma2": gemma2_folder}, data, tmp_path / "out", "train.steps=2")
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "first-step log-prob gap: mean |trainer - engine|" in out and "bfloat16" in out
+    assert "Gemma2ForCausalLM: " in out and "own head function" in out
+    announced = _fallback_warnings(record)
+    assert len(announced) == 1 and "has no system role" in announced[0], announced
+    (metrics,) = (tmp_path / "out").rglob("metrics.jsonl")
+    steps = {json.loads(line).get("step") for line in metrics.read_text().splitlines()}
+    assert {1, 2} <= steps
 
 
 # ---- vision-language models: the head after the inner model -----------------------------------

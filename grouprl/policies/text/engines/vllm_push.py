@@ -11,6 +11,9 @@ Trainer side:
   renamed `mlp`) and converts them back in `save_pretrained` with `revert_weight_conversion`; the
   push does the same (measured: vLLM refused Mixtral's in-memory names, "There is no module or
   parameter named 'layers.0.mlp'").
+- `engine_state_dict`: what a push sends, for both engines: a model's state dict, or a peft
+  model's merged weights (W + delta, expert stacks included), in that checkpoint layout (a
+  `grouprl vllm-serve` push sends a peft model's adapters instead where its merge covers them).
 - `unique_tensors`: the weights are walked by tensor identity, not by state-dict key. A tensor
   reachable under several names (a tied head: `lm_head.weight` is `model.embed_tokens.weight`)
   travels ONCE, under its first name, with the other names as its aliases.
@@ -67,6 +70,26 @@ def checkpoint_layout(model: Any, state: dict[str, torch.Tensor]) -> dict[str, t
     from transformers.core_model_loading import revert_weight_conversion
 
     return dict(revert_weight_conversion(model, state))
+
+
+def engine_state_dict(weights: Any) -> dict[str, Any]:
+    """What vLLM's loader takes: checkpoint names -> tensors. A peft model gives its merged
+    weights (a copy: W + each LoRA delta, expert stacks included), a transformers model its state
+    dict, both in the checkpoint layout (`checkpoint_layout`); a dict is taken as it is. The one
+    full push of both engines (in-process and `grouprl vllm-serve`)."""
+    if isinstance(weights, dict):
+        return weights
+    if hasattr(weights, "get_base_model"):  # peft: W + delta under the original names
+        from grouprl.policies.text.lora import merged_state_dict
+
+        base = weights.get_base_model()
+        return checkpoint_layout(base, merged_state_dict(base))
+    if hasattr(weights, "state_dict"):
+        return checkpoint_layout(weights, weights.state_dict())
+    raise TypeError(
+        "a vLLM weight push takes a transformers / peft model or a state dict, "
+        f"got {type(weights).__name__}"
+    )
 
 
 def unique_tensors(

@@ -16,7 +16,12 @@ VLLMEngine. Differences:
   ZeRO-3) hand a stream of parameters (`stream_full_weights`): every process gathers one
   parameter at a time, the main process sends it, and it is freed before the next.
 - A peft policy pushes only its LoRA adapters (A, B and the scaling of each adapted weight); the
-  server merges them into the base weights of its model folder (worker.py).
+  server merges them into the base weights of its model folder (worker.py). Adapters that merge
+  is not written for (peft's parameter targeting of stacked MoE experts, the default on MoE
+  models: their delta is no B @ A of a linear layer, and their in-memory names are not the
+  folder's) go as a full push of the merged weights in the checkpoint layout, the in-process
+  engine's push (vllm_push.engine_state_dict); before, the server refused such a push with a
+  KeyError for `mlp.experts.weight`.
 - Each distinct tensor travels once (a tied head under its first name); the push announces the
   other names of tied tensors as aliases, and the server hands the tensor to vLLM under the names
   vLLM has modules for (vllm_push.py). The first push of a model (not of a parameter stream: a
@@ -49,7 +54,7 @@ from grouprl.policies.text.engines.server.channel import (
     open_group,
     resolve_backend,
 )
-from grouprl.policies.text.engines.vllm_push import Aliases, checkpoint_layout, unique_tensors
+from grouprl.policies.text.engines.vllm_push import Aliases, engine_state_dict, unique_tensors
 
 SEED_RANGE = 2**30
 RESUME_HINT = (
@@ -341,16 +346,18 @@ class VLLMServerEngine:
 def weight_specs(weights: Any) -> tuple[list[WeightSpec], str, dict[str, float], Aliases]:
     """(specs, kind, scalings, aliases) of a push: a peft model's adapters (lora), else the full
     weights of a transformers model or state dict (each distinct tensor once)."""
-    if hasattr(weights, "get_base_model"):
+    if hasattr(weights, "get_base_model") and linear_adapters_only(weights):
         specs, scalings = lora_specs(weights)
         return specs, "lora", scalings, base_aliases(weights)
-    if isinstance(weights, dict):
-        specs, aliases = full_specs(weights)
-        return specs, "full", {}, aliases
-    if hasattr(weights, "state_dict"):  # in the checkpoint layout, as vLLM's loaders read
-        specs, aliases = full_specs(checkpoint_layout(weights, weights.state_dict()))
-        return specs, "full", {}, aliases
-    raise TypeError(
-        "VLLMServerEngine.load_weights takes a transformers / peft model or a state dict, "
-        f"got {type(weights).__name__}"
-    )
+    # in the checkpoint layout, as vLLM's loaders read (a peft model: its merged weights)
+    specs, aliases = full_specs(engine_state_dict(weights))
+    return specs, "full", {}, aliases
+
+
+def linear_adapters_only(model: Any) -> bool:
+    """Whether every LoRA layer of a peft model adapts a linear layer (the server merges
+    W0 + s * B @ A); False with adapters on parameters (peft's ParamWrapper: MoE expert stacks)."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    layers = [m for m in model.get_base_model().modules() if isinstance(m, LoraLayer)]
+    return all(isinstance(m, Linear) for m in layers)
