@@ -129,7 +129,8 @@ def shares_prompt_cache(model: Any) -> bool:
     decoder = model.get_decoder()
     found = _SHARES_CACHE.get(decoder)
     if found is None:
-        found = _SHARES_CACHE[decoder] = _probe_cache(model, decoder)
+        left_padding = decoder_positions(model).left_padding  # else rows are never cached
+        found = _SHARES_CACHE[decoder] = left_padding and _probe_cache(model, decoder)
     return found
 
 
