@@ -20,6 +20,7 @@ computed with less work:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -28,6 +29,14 @@ from transformers import DynamicCache
 
 from grouprl.policies.text.fused_head import fused_head_logprobs
 from grouprl.policies.text.head import OutputHead, output_head
+from grouprl.policies.text.positions import (
+    LOW_PRECISION_RTOL,
+    PROBE_RTOL,
+    DecoderPositions,
+    aligned_hidden,
+    decoder_positions,
+    probe_ids,
+)
 from grouprl.types import TokenBatch
 
 
@@ -40,9 +49,11 @@ def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
     return new.cumsum(0) - 1  # [N]
 
 
-def _plain_hidden(decoder: Any, ids: Tensor, mask: Tensor, P: int) -> Tensor:
+def _plain_hidden(
+    decoder: Any, ids: Tensor, mask: Tensor, P: int, positions: DecoderPositions
+) -> Tensor:
     """[prompt | completion] rows in one pass -> the states that predict completion tokens."""
-    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    position_ids = positions.position_ids(mask)  # [N, P+T]
     hidden = decoder(
         input_ids=ids[:, :-1],
         attention_mask=mask[:, :-1].long(),
@@ -52,7 +63,9 @@ def _plain_hidden(decoder: Any, ids: Tensor, mask: Tensor, P: int) -> Tensor:
     return hidden[:, P - 1 :]  # [N, T, H]
 
 
-def _shared_prompt_hidden(decoder: Any, batch: TokenBatch, runs: Tensor, device: Any) -> Tensor:
+def _shared_prompt_hidden(
+    decoder: Any, batch: TokenBatch, runs: Tensor, device: Any, positions: DecoderPositions
+) -> Tensor:
     """Each distinct prompt once, its cache expanded to its rows, then the completions."""
     first = torch.ones(len(runs), dtype=torch.bool)
     first[1:] = runs[1:] != runs[:-1]  # [N] first row of each run
@@ -62,7 +75,7 @@ def _shared_prompt_hidden(decoder: Any, batch: TokenBatch, runs: Tensor, device:
     h_prompt = decoder(
         input_ids=p_ids,
         attention_mask=p_mask,
-        position_ids=(p_mask.cumsum(1) - 1).clamp(min=0),
+        position_ids=positions.position_ids(p_mask),  # [B, P]
         past_key_values=cache,
         use_cache=True,
     ).last_hidden_state[:, -1]  # [B, H]: predicts completion token 0 (prompts are left padded)
@@ -75,11 +88,11 @@ def _shared_prompt_hidden(decoder: Any, batch: TokenBatch, runs: Tensor, device:
     c_ids = batch.completion_ids[:, :-1].to(device)  # [N, T-1]: the last token predicts nothing
     mask = torch.cat([batch.prompt_mask, batch.completion_mask[:, :-1]], 1).to(device)  # [N, P+T-1]
     start = batch.prompt_mask.sum(1).to(device)  # [N] real prompt tokens
-    positions = start[:, None] + torch.arange(T - 1, device=device)  # [N, T-1]
+    steps = start[:, None] + positions.offset + torch.arange(T - 1, device=device)  # [N, T-1]
     h_rest = decoder(
         input_ids=c_ids,
         attention_mask=mask.long(),
-        position_ids=positions,
+        position_ids=steps,
         past_key_values=cache,
         use_cache=True,
     ).last_hidden_state  # [N, T-1, H]
@@ -90,13 +103,64 @@ def completion_hidden(model: Any, batch: TokenBatch) -> Tensor:
     """The decoder states that predict each completion token, [N, T, H] (see module docstring)."""
     device = next(model.parameters()).device
     decoder = model.get_decoder()
+    positions = decoder_positions(model)  # the model's position convention (positions.py)
+    if not positions.left_padding:  # left padding not representable: left-aligned rows
+        return aligned_hidden(decoder, batch, device)
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)  # [N]
     checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
-    if int(runs[-1]) + 1 < len(runs) and not checkpointing:
-        return _shared_prompt_hidden(decoder, batch, runs, device)
+    if int(runs[-1]) + 1 < len(runs) and not checkpointing and shares_prompt_cache(model):
+        return _shared_prompt_hidden(decoder, batch, runs, device, positions)
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
-    return _plain_hidden(decoder, ids, mask, batch.prompt_ids.shape[1])
+    return _plain_hidden(decoder, ids, mask, batch.prompt_ids.shape[1], positions)
+
+
+_SHARES_CACHE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def shares_prompt_cache(model: Any) -> bool:
+    """Whether a prompt's cache, expanded over its rows, continues exactly like one pass over
+    [prompt | completion] for this model; probed once per model on a padded two-row group.
+
+    Not every decoder keeps its whole state in the DynamicCache it is handed: recurrent and
+    hybrid decoders (mamba2, recurrent_gemma) keep a state of their own that `reorder_cache` does
+    not expand, and some widen the mask of a cached continuation (GIT adds its image tokens). For
+    those the fast path runs the one-pass layout (still packed, still the fused head)."""
+    decoder = model.get_decoder()
+    found = _SHARES_CACHE.get(decoder)
+    if found is None:
+        left_padding = decoder_positions(model).left_padding  # else rows are never cached
+        found = _SHARES_CACHE[decoder] = left_padding and _probe_cache(model, decoder)
+    return found
+
+
+def _probe_cache(model: Any, decoder: Any) -> bool:
+    positions = decoder_positions(model)
+    param = next(decoder.parameters())
+    ids = probe_ids(model.config.get_text_config(), param.device)  # [1, L]
+    p_ids = torch.cat([ids[:, :1], ids[:, :2]], 1).repeat(2, 1)  # [2, 3]: one pad, two real
+    p_mask = torch.tensor([[False, True, True]] * 2, device=param.device)  # [2, 3]
+    c_ids = torch.stack([ids[0, 2:], ids[0, 2:].flip(0)])  # [2, L-2]
+    batch = TokenBatch(p_ids, p_mask, c_ids, torch.ones_like(c_ids, dtype=torch.bool),
+                       torch.zeros(2, dtype=torch.bool))  # fmt: skip
+    runs = torch.zeros(2, dtype=torch.long)  # one group of two rows
+    was_training = decoder.training
+    decoder.eval()
+    try:
+        with torch.no_grad():
+            one_pass = _plain_hidden(
+                decoder, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, batch.completion_mask], 1),
+                p_ids.shape[1], positions,
+            ).float()  # fmt: skip  # [2, T, H]
+            try:
+                shared = _shared_prompt_hidden(decoder, batch, runs, param.device, positions)
+            except Exception:  # noqa: BLE001 - any failure of the cached continuation: one pass
+                return False
+    finally:
+        decoder.train(was_training)
+    rtol = PROBE_RTOL.get(param.dtype, LOW_PRECISION_RTOL)
+    scale = float(one_pass.abs().max()) + 1e-6
+    return float((shared.float() - one_pass).abs().max()) <= rtol * scale
 
 
 def fast_completion_logprobs(

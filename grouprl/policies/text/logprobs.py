@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from grouprl.policies.text.head import output_head
+from grouprl.policies.text.positions import aligned_hidden, decoder_positions, left_aligned
 from grouprl.types import TokenBatch
 
 # Default chunk budget: rows per chunk such that one chunk's logits hold ~2^26 floats (256 MiB fp32).
@@ -194,16 +195,21 @@ def plain_completion_logprobs(
 def completion_hidden(model: Any, batch: TokenBatch) -> tuple[Tensor, torch.device]:
     """The decoder states [N, T, H] that predict the completion tokens 0..T-1 (differentiable when
     grad is on), and the model's device: one pass over [left-padded prompt | right-padded
-    completion] with position ids from the attention mask."""
+    completion] with position ids from the attention mask (positions.py: the model's offset, or
+    left-aligned rows where left padding cannot be represented)."""
     device = next(model.parameters()).device
     P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     if P < 1 or T < 1:
         raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
+    positions = decoder_positions(model)  # the model's position convention (positions.py)
+    if not positions.left_padding:
+        return aligned_hidden(model.get_decoder(), batch, device), device
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
-    # Position of each token among the real tokens of its row, so left padding never shifts it
-    # (RoPE models are shift-invariant anyway; absolute-position models are not).
-    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    # Position of each token among the real tokens of its row (plus the model's offset), so left
+    # padding never shifts it (RoPE models are shift-invariant anyway; absolute-position models
+    # are not).
+    position_ids = positions.position_ids(mask)  # [N, P+T]
     # The last completion token predicts nothing we score, so it is not fed.
     hidden = model.get_decoder()(
         input_ids=ids[:, :-1],
@@ -276,18 +282,24 @@ def forward_completion_logprobs(
         raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
-    position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
+    # Rows left-aligned (real tokens from column 0, padding on the right) and no position ids:
+    # the model's own default positions are then the real ones whatever its convention
+    # (positions.py), and a causal model's outputs never see the trailing pads.
+    ids, mask, first = left_aligned(batch, device)  # [N, P+T] x2, [N]
     targets = batch.completion_ids.to(device)  # [N, T]
     N = ids.shape[0]
     rows = _rows(N, T * model.config.get_text_config().vocab_size, chunk_size)
+    # logits kept: from the earliest predicting column on (the shortest prompt's last token)
+    keep = P + T - 1 - int(first.min())
 
-    def chunk_fn(i: Tensor, m: Tensor, pos: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def chunk_fn(i: Tensor, m: Tensor, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         logits = model(
-            input_ids=i[:, :-1], attention_mask=m[:, :-1].long(), position_ids=pos[:, :-1],
-            use_cache=False, logits_to_keep=T,
-        ).logits[:, -T:].float()  # fmt: skip  # [c, T, V]
+            input_ids=i[:, :-1], attention_mask=m[:, :-1].long(), use_cache=False,
+            logits_to_keep=keep,
+        ).logits[:, -keep:]  # fmt: skip  # [c, keep, V]
+        cols = f[:, None] - (P + T - 1 - keep) + torch.arange(T, device=device)  # [c, T]
+        logits = logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1])).float()
+        # [c, T, V]
         if temperature != 1.0:
             logits = logits / temperature
         lp, ent = token_logp_entropy(
@@ -298,7 +310,7 @@ def forward_completion_logprobs(
     use_ckpt = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     logps, ents = [], []
     for s in range(0, N, rows):
-        part = (ids[s : s + rows], mask[s : s + rows], position_ids[s : s + rows],
+        part = (ids[s : s + rows], mask[s : s + rows], first[s : s + rows],
                 targets[s : s + rows])  # fmt: skip
         lp, ent = checkpoint(chunk_fn, *part, use_reentrant=False) if use_ckpt else chunk_fn(*part)
         logps.append(lp)

@@ -1,8 +1,9 @@
 """The load-time probe: grouprl's scoring path against the model's own forward, on one short batch.
 
 When a policy is built, its scoring path (fast / plain: the decoder run by grouprl, then the
-model's head function, head.py) scores a short batch of two rows that share a prompt (so the
-fast path's shared prompt cache runs too) and the same tokens are scored by
+model's head function, head.py) scores a short batch of three rows, two that share a prompt (so
+the fast path's shared prompt cache runs too) and one left padded (so a family whose positions do
+not follow grouprl's convention shows its gap, positions.py), and the same tokens are scored by
 log_softmax(model(...).logits), the family's own forward. The largest gap over the real tokens
 is compared with a bound for the compute dtype. Measured gaps (fast / plain paths; the text
 replicas qwen2.5, qwen3, llama3, mistral, gpt2 and Gemma 2 / Cohere / Granite built from their
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from grouprl.policies.text.head import HeadUnavailable, output_head
+from grouprl.policies.text.positions import left_aligned
 from grouprl.types import TokenBatch
 
 # largest |scoring - forward| log-prob gap on the probe batch accepted, per compute dtype
@@ -45,7 +47,7 @@ PROBE_BOUNDS: dict[torch.dtype, float] = {
     torch.bfloat16: 0.1,
     torch.float16: 0.1,
 }
-PROMPT_TOKENS, COMPLETION_TOKENS = 5, 4
+PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_PADS = 5, 4, 2
 
 
 @dataclass(frozen=True)
@@ -60,40 +62,46 @@ class ProbeResult:
 
 
 def probe_batch(vocab_size: int, avoid: list[int] | None = None, vision: Any = None) -> TokenBatch:
-    """Two rows sharing a prompt of PROMPT_TOKENS tokens, completions of COMPLETION_TOKENS and
-    COMPLETION_TOKENS - 1 tokens (right padded); token ids drawn with a fixed seed, never one of
-    `avoid` (a VLM's image placeholders). vision: the rows' vision dict (a VLM: {})."""
+    """Three rows: two share a prompt of PROMPT_TOKENS tokens (the fast path's shared prompt
+    cache runs), the third has a prompt PROMPT_PADS tokens shorter, left padded (a family whose
+    positions do not follow grouprl's convention differs there, positions.py); completions of
+    COMPLETION_TOKENS, COMPLETION_TOKENS - 1 and COMPLETION_TOKENS tokens (right padded). Token
+    ids drawn with a fixed seed, never one of `avoid` (a VLM's image placeholders), pads
+    included. vision: the rows' vision dict (a VLM: {})."""
     gen = torch.Generator().manual_seed(0)
     allowed = torch.ones(vocab_size, dtype=torch.bool)
     if avoid:
         allowed[torch.tensor(avoid, dtype=torch.long)] = False
     pool = allowed.nonzero()[:, 0]  # [V']
-    draw = pool[torch.randint(len(pool), (PROMPT_TOKENS + 2 * COMPLETION_TOKENS,), generator=gen)]
-    prompt = draw[:PROMPT_TOKENS].repeat(2, 1)  # [2, P]
-    completion = draw[PROMPT_TOKENS:].view(2, COMPLETION_TOKENS)  # [2, T]
-    c_mask = torch.ones(2, COMPLETION_TOKENS, dtype=torch.bool)
+    draw = pool[torch.randint(len(pool), (PROMPT_TOKENS + 3 * COMPLETION_TOKENS,), generator=gen)]
+    prompt = draw[:PROMPT_TOKENS].repeat(3, 1)  # [3, P]
+    p_mask = torch.ones_like(prompt, dtype=torch.bool)  # [3, P]
+    p_mask[2, :PROMPT_PADS] = False  # the third row's prompt is left padded
+    completion = draw[PROMPT_TOKENS:].view(3, COMPLETION_TOKENS)  # [3, T]
+    c_mask = torch.ones(3, COMPLETION_TOKENS, dtype=torch.bool)
     c_mask[1, -1] = False  # the second row is one token shorter
     return TokenBatch(
         prompt_ids=prompt,
-        prompt_mask=torch.ones_like(prompt, dtype=torch.bool),
-        completion_ids=completion.masked_fill(~c_mask, 0),
+        prompt_mask=p_mask,
+        completion_ids=completion.masked_fill(~c_mask, int(pool[0])),
         completion_mask=c_mask,
-        truncated=torch.zeros(2, dtype=torch.bool),
-        vision=None if vision is None else [vision, vision],
+        truncated=torch.zeros(3, dtype=torch.bool),
+        vision=None if vision is None else [vision, vision, vision],
     )
 
 
 def forward_logprobs(model: Any, batch: TokenBatch, banned: list[int] | None = None) -> Tensor:
     """log_softmax(model(...).logits) of the completion tokens, [N, T] (masked slots 0): the
-    family's own forward on [prompt | completion] (no left padding in the probe batch, so the
-    model's default positions are the real ones). banned: token ids out of the action space
-    (logit -inf, as the VLM policy scores)."""
+    family's own forward on [prompt | completion] rows left-aligned (padding moved to the right,
+    positions.py), so the model's default positions are the real ones whatever its convention.
+    banned: token ids out of the action space (logit -inf, as the VLM policy scores)."""
     device = next(model.parameters()).device
-    P = batch.prompt_ids.shape[1]
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
+    T = batch.completion_ids.shape[1]
+    ids, mask, first = left_aligned(batch, device)  # [N, P+T] x2, [N]
     logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
-    logits = logits[:, P - 1 : -1].float()  # [N, T, V]
+    cols = first[:, None] + torch.arange(T, device=device)  # [N, T]
+    logits = logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1])).float()
+    # [N, T, V]
     if banned:
         logits[..., torch.tensor(banned, device=device)] = float("-inf")
     logp = torch.log_softmax(logits, -1)  # [N, T, V]

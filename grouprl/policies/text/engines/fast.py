@@ -41,6 +41,7 @@ from grouprl.policies.text.engines.base import (
     check_generate_args,
 )
 from grouprl.policies.text.engines.kv_decode import make_decoder
+from grouprl.policies.text.positions import decoder_positions
 
 BLOCK = 128  # vocabulary block of the two-level sampler
 
@@ -148,6 +149,9 @@ class FastEngine(InProcessEngine):
         greedy: bool,
         seeds: list[int] | None,
     ) -> GenerationOutput:
+        lengths = sorted({len(p) for p in prompts})
+        if len(lengths) > 1 and not decoder_positions(self._hf_model).left_padding:
+            return self._by_length(prompts, lengths, params, greedy, seeds)
         device = next(self._hf_model.parameters()).device
         uniq, counts = _runs(prompts)
         B, P, T = len(uniq), max(len(p) for p in uniq), params.max_new_tokens
@@ -166,6 +170,30 @@ class FastEngine(InProcessEngine):
         logits = logits[rows]  # [N, V]
         return decode(decoder, logits, params, greedy, seeds, self.eos_ids, self.pad_id,
                       self.tokenizer)  # fmt: skip
+
+    def _by_length(
+        self,
+        prompts: list[list[int]],
+        lengths: list[int],
+        params: SamplingParams,
+        greedy: bool,
+        seeds: list[int] | None,
+    ) -> GenerationOutput:
+        """A model that cannot take left padding (positions.py: BART-style learned positions,
+        a recurrence through the pads): the prompts of each length decode together, unpadded,
+        and the completions go back in the prompts' order."""
+        out = GenerationOutput([[]] * len(prompts), [[]] * len(prompts), [False] * len(prompts))
+        for n in lengths:
+            idx = [i for i, p in enumerate(prompts) if len(p) == n]
+            part = self._generate_chunk(
+                [prompts[i] for i in idx], params, greedy,
+                None if seeds is None else [seeds[i] for i in idx],
+            )  # fmt: skip
+            for j, i in enumerate(idx):
+                out.completion_ids[i] = part.completion_ids[j]
+                out.logprobs[i] = part.logprobs[j]
+                out.truncated[i] = part.truncated[j]
+        return out
 
 
 def decode(

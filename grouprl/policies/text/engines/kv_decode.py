@@ -14,7 +14,10 @@ repeat rows (a group's G copies of its prompt) or drop them (finished completion
   MLP, rotary embedding, and the modelling file's own `apply_rotary_pos_emb`), so LoRA layers
   that peft injected into them run, and only the loop around them is ours: no per-step mask
   construction or cache bookkeeping objects. Tests compare its logits with the model's forward.
-- `DynamicKVDecoder`: any causal LM through its own forward and DynamicCache (the fallback).
+- `DynamicKVDecoder`: any causal LM through its own forward and DynamicCache (the fallback),
+  with the model's own position offset (positions.py).
+- `FullForwardDecoder`: no cache, the full forward at every step, for decoders whose cached
+  continuation is not their forward (a probe, fast_logprobs.shares_prompt_cache).
 
 The cache columns are shared by all rows (prompts are left padded to one length P, token t of
 every row goes to column P + t); each row's rotary position counts only its real tokens.
@@ -31,7 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
+from grouprl.policies.text.fast_logprobs import shares_prompt_cache
 from grouprl.policies.text.head import output_head
+from grouprl.policies.text.positions import decoder_positions
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -66,6 +71,10 @@ class DynamicKVDecoder(KVDecoder):
     def __init__(self, model: Any) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        # the position id of a row's first real token (positions.py: RoBERTa-style embeddings
+        # start at padding_idx + 1); a model that cannot take left padding gets unpadded
+        # prompts from the engine, whose positions then start at 0
+        self.offset = decoder_positions(model).offset or 0
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # [n, columns so far] 1 = a real token
 
     def _forward(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -80,7 +89,8 @@ class DynamicKVDecoder(KVDecoder):
         return out.logits[:, -1]  # [n, V]
 
     def prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
-        positions = self._start(mask)
+        positions = self._start(mask) + self.offset  # [B, P]
+        self.position = self.position + self.offset  # [B] next token's position id
         self.mask = mask.long()
         return self._forward(ids, positions)
 
@@ -208,10 +218,50 @@ class StaticKVDecoder(KVDecoder):
         self.values = [x.new_empty(shape) for _ in self.layers]
 
 
+class FullForwardDecoder(KVDecoder):
+    """No cache: the model's full forward over every row's tokens so far at each step (cost
+    quadratic in the length). For decoders whose cached continuation is not their forward
+    (fast_logprobs.shares_prompt_cache: a recurrent state kept outside the DynamicCache, as in
+    RWKV / Mamba-2 / RecurrentGemma, or a mask widened on cached steps, as in GIT)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.offset = decoder_positions(model).offset  # None: unpadded prompts, no position ids
+        self.ids = torch.zeros(0, 0, dtype=torch.long)  # [n, columns so far]
+        self.mask = torch.zeros(0, 0, dtype=torch.long)  # [n, columns so far] 1 = a real token
+
+    def _logits(self) -> Tensor:
+        kwargs = {}
+        if self.offset is not None:
+            kwargs["position_ids"] = (self.mask.cumsum(1) - 1).clamp(min=0) + self.offset
+        out = self.model(
+            input_ids=self.ids, attention_mask=self.mask, use_cache=False, logits_to_keep=1,
+            **kwargs,
+        )  # fmt: skip
+        return out.logits[:, -1]  # [n, V]
+
+    def prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
+        self.position = mask.long().sum(1)  # [B] (unused: positions come from the mask)
+        self.ids, self.mask = ids, mask.long()
+        return self._logits()
+
+    def select(self, rows: Tensor) -> None:
+        self.ids, self.mask, self.position = self.ids[rows], self.mask[rows], self.position[rows]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        self.ids = torch.cat([self.ids, tokens[:, None]], 1)  # [n, L+1]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], 1)  # [n, L+1]
+        return self._logits()
+
+
 def make_decoder(model: Any, capacity: int, kv_cache: str = "auto") -> KVDecoder:
-    """kv_cache: "static" (Llama family only), "dynamic", or "auto" (static where it can run)."""
+    """kv_cache: "static" (Llama family only), "dynamic", or "auto" (static where it can run).
+    A decoder whose cached continuation differs from its forward gets the cache-free
+    FullForwardDecoder with "auto" / "dynamic" (the static cache refuses non-Llama models)."""
     if kv_cache not in ("auto", "static", "dynamic"):
         raise ValueError(f"kv_cache must be 'auto', 'static' or 'dynamic', got {kv_cache!r}")
+    if kv_cache != "static" and not shares_prompt_cache(model):
+        return FullForwardDecoder(model)
     if kv_cache == "dynamic" or (
         kv_cache == "auto" and static_kv_unsupported(model, capacity) is not None
     ):
