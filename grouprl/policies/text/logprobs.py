@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from grouprl.policies.text.head import output_head
+from grouprl.policies.text.head import decoder_of, output_head
 from grouprl.types import TokenBatch
 
 # Default chunk budget: rows per chunk such that one chunk's logits hold ~2^26 floats (256 MiB fp32).
@@ -205,7 +205,7 @@ def completion_hidden(model: Any, batch: TokenBatch) -> tuple[Tensor, torch.devi
     # (RoPE models are shift-invariant anyway; absolute-position models are not).
     position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)  # [N, P+T]
     # The last completion token predicts nothing we score, so it is not fed.
-    hidden = model.get_decoder()(
+    hidden = decoder_of(model)(
         input_ids=ids[:, :-1],
         attention_mask=mask[:, :-1].long(),
         position_ids=position_ids[:, :-1],
