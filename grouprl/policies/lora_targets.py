@@ -20,7 +20,9 @@ what gets an adapter, before any adapter is made:
 - Routers: in these families the router is a custom module holding a 2-D weight, not a linear
   layer and not an expert stack, so neither default adapts it (it stays frozen); name it in
   target_parameters to adapt it. A router that is an nn.Linear (Qwen2-MoE's shared_expert_gate)
-  is a linear layer and gets an adapter under all-linear, as with peft.
+  is a linear layer and gets an adapter under all-linear, as with peft. A router that subclasses
+  nn.Linear but returns a tuple (Llama 4's, (scores, logits)) is not: peft's LoRA layer adds its
+  delta to the output tensor, so all-linear leaves it out (`_returns_tensor`, probed on one row).
 - The scope: the whole model for a causal LM; for an image-text-to-text model its language model
   (`get_decoder()`), so the vision tower and projector never get adapters (train them with
   `vision_tower: trainable`).
@@ -106,8 +108,28 @@ def linear_layers(model: Any, scope: Any = None) -> tuple[list[str], str | None]
     prefix = _scope_prefix(model, scope)
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = next((n for n, m in model.named_modules() if m is head_module), None)
-    names = sorted(n for n in config.target_modules if n.startswith(prefix) and n != head)
+    modules = dict(model.named_modules())
+    names = sorted(
+        n
+        for n in config.target_modules
+        if n.startswith(prefix) and n != head and _returns_tensor(modules.get(n))
+    )
     return names, head
+
+
+def _returns_tensor(module: Any) -> bool:
+    """False for an nn.Linear subclass whose own forward returns something else than a tensor
+    (peft's LoRA Linear adds its delta to the output): probed on one zero row."""
+    import torch
+
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is torch.nn.Linear.forward:
+        return True
+    try:
+        with torch.no_grad():
+            out = module(module.weight.new_zeros(1, module.in_features))  # [1, in]
+    except Exception:  # a forward that needs more than one row: peft's wrapping decides, as before
+        return True
+    return isinstance(out, torch.Tensor)
 
 
 def expert_parameters(model: Any, scope: Any = None) -> list[str]:
