@@ -4,10 +4,10 @@ Each model is a tiny random one built from the family's real transformers config
 (grouprl.replicas.sweep.tiny: the config's own defaults, shrunk), as the architecture sweep
 builds it:
 
-- Qwen3.5 (gated delta net layers) and Bamba / MiniMax (Mamba / lightning-attention layers): the
-  fast path's shared prompt cache cannot carry them (a recurrent state overwritten in place by
-  transformers' cache on the next pass, or a family's own cache class); the fast path runs them
-  in one pass, with the same values and gradients as the plain path.
+- Qwen3.5 (gated delta net layers), Bamba / Mamba-2 / MiniMax (Mamba / lightning-attention
+  layers): the fast path's shared prompt cache cannot carry them (a recurrent state overwritten
+  in place by transformers' cache on the next pass, or a family's own cache class); the fast
+  path runs them in one pass, with the same values and gradients as the plain path.
 - Llama 4 / Mllama text: `get_decoder()` returns the causal LM itself; the body is its child
   holding the input embeddings.
 - Gemma 3 (image-text-to-text class registered as a causal LM) and Fuyu: the head is derived
@@ -50,10 +50,11 @@ def test_recurrent_state_layers_train_through_the_fast_path():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bamba", "minimax"])
+@pytest.mark.parametrize("family", ["bamba", "minimax", "mamba2"])
 def test_families_with_caches_that_cannot_be_shared_score_on_the_fast_path(family):
-    """Bamba's Mamba-layer cache and MiniMax's own cache class: the fast path equals the model's
-    forward (it raised on the shared prompt cache)."""
+    """Bamba's Mamba-layer cache, MiniMax's and Mamba-2's own cache classes: the fast path
+    equals the model's forward (it raised on the shared prompt cache, or was 2.4 nats off on
+    Mamba-2)."""
     model = _model(family)
     batch = sweep_batch(model, vision=False)
     expected = forward_logprobs(model, batch)  # [N, T]

@@ -90,7 +90,7 @@ def _shared_prompt_hidden(
         position_ids=(p_mask.cumsum(1) - 1).clamp(min=0),
         use_cache=True,
     )
-    cache = out.past_key_values
+    cache = getattr(out, "past_key_values", None)  # RWKV returns its state under another name
     if not shared_cache_fits(cache):
         return None
     h_prompt = out.last_hidden_state[:, -1]  # [B, H]: predicts completion token 0 (left padded)

@@ -184,9 +184,10 @@ def _derive(model: Any, body: Any, emb: Any) -> OutputHead:
     assert first is not None
     if isinstance(first, HeadUnavailable):
         raise first
+    text = str(first).strip()
     raise HeadUnavailable(
         f"{type(model).__name__}'s forward does not run on given decoder states "
-        f"({type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''})"
+        f"({type(first).__name__}: {text.splitlines()[0] if text else ''})"
     ) from first
 
 
