@@ -304,7 +304,7 @@ def _train(cfg: Config, stack: ExitStack, given: Given) -> dict[str, Any]:
         logger.print(note)
     if latest is not None:
         logger.print(f"resumed from {latest} at step {step}")
-    head_note = getattr(getattr(policy, "policy", policy), "head_note", None)
+    head_note = getattr(policy, "head_note", None)
     if head_note:  # the load-time probe's choice (policies/text/scoring_probe.py)
         logger.print(head_note)
     gap_due = True  # runtime/logp_gap.py: checked on the first step that has a rollout

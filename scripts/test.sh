@@ -11,7 +11,11 @@ if [ "$#" -eq 0 ]; then
   # variables), so the vllm-marked tests run in a pytest process of their own, after the rest.
   status=0
   .venv/bin/python -m pytest -q -m "not slow and not vllm" || status=$?
-  .venv/bin/python -m pytest -q -m "vllm and not slow" || status=$?
+  .venv/bin/python -m pytest -q -m "vllm and not slow" --ignore=tests/test_vllm_push.py || status=$?
+  # vLLM builds its expert-parallel group only when the first engine of a process is an MoE
+  # model: the MoE push tests fail ("expert parallel group is not initialized") after a dense
+  # engine in the same process, so they get a process of their own.
+  .venv/bin/python -m pytest -q -m "vllm and not slow" tests/test_vllm_push.py || status=$?
   exit "$status"
 fi
 exec .venv/bin/python -m pytest -q "$@"

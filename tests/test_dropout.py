@@ -72,8 +72,15 @@ def test_trainer_and_engine_log_probs_agree_with_dropout_disabled(tmp_path, gpt2
 
 
 def test_dropout_kept_on_request_shows_the_gap(tmp_path, gpt2_dir):
-    cfg = _cfg(tmp_path, gpt2_dir, "train.disable_dropout=false")
-    train(cfg)
+    from grouprl.runtime.logp_gap import LogpGapError
+
+    # the first-step gap guard stops it, naming dropout among the causes ...
+    with pytest.raises(LogpGapError, match="train.disable_dropout"):
+        train(_cfg(tmp_path / "stop", gpt2_dir, "train.disable_dropout=false"))
+    # ... and a user who keeps dropout on purpose says so with the switch
+    cfg = _cfg(tmp_path, gpt2_dir, "train.disable_dropout=false", "rollout.logp_gap_check=warn")
+    with pytest.warns(UserWarning, match="differ by"):
+        train(cfg)
     assert _train_row(cfg.run_dir)["engine/logp_abs_diff_mean"] > 1e-3  # measured 0.026
 
 

@@ -27,7 +27,9 @@ what gets an adapter, before any adapter is made:
 - Routers: in these families the router is a custom module holding a 2-D weight, not a linear
   layer and not an expert stack, so neither default adapts it (it stays frozen); name it in
   target_parameters to adapt it. A router that is an nn.Linear (Qwen2-MoE's shared_expert_gate)
-  is a linear layer and gets an adapter under all-linear, as with peft.
+  is a linear layer and gets an adapter under all-linear, as with peft. A router that subclasses
+  nn.Linear but returns a tuple (Llama 4's, (scores, logits)) is not: peft's LoRA layer adds its
+  delta to the output tensor, so all-linear leaves it out (`_returns_tensor`, probed on one row).
 - The scope: the whole model for a causal LM; for an image-text-to-text model its language model
   (`get_decoder()`), so the vision tower and projector never get adapters (train them with
   `vision_tower: trainable`).
@@ -114,8 +116,28 @@ def linear_layers(model: Any, scope: Any = None) -> tuple[list[str], str | None]
     prefix = _scope_prefix(model, scope)
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = next((n for n, m in model.named_modules() if m is head_module), None)
-    names = sorted(n for n in config.target_modules if n.startswith(prefix) and n != head)
+    modules = dict(model.named_modules())
+    names = sorted(
+        n
+        for n in config.target_modules
+        if n.startswith(prefix) and n != head and _returns_tensor(modules.get(n))
+    )
     return names, head
+
+
+def _returns_tensor(module: Any) -> bool:
+    """False for an nn.Linear subclass whose own forward returns something else than a tensor
+    (peft's LoRA Linear adds its delta to the output): probed on one zero row."""
+    import torch
+
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is torch.nn.Linear.forward:
+        return True
+    try:
+        with torch.no_grad():
+            out = module(module.weight.new_zeros(1, module.in_features))  # [1, in]
+    except Exception:  # a forward that needs more than one row: peft's wrapping decides, as before
+        return True
+    return isinstance(out, torch.Tensor)
 
 
 def expert_parameters(model: Any, scope: Any = None) -> list[str]:
@@ -148,6 +170,15 @@ def attention_linears(model: Any, linears: list[str]) -> list[str]:
     kinds = _attention_classes()
     owners = [n for n, m in model.named_modules() if kinds and isinstance(m, kinds)]
     return [n for n in linears if any(n.startswith(f"{o}.") for o in owners)]
+
+
+def _convolutions(model: Any, scope: Any = None) -> list[str]:
+    """Names of the torch convolution layers in `scope` (never part of all-linear)."""
+    import torch
+
+    prefix = _scope_prefix(model, scope)
+    kinds = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    return [n for n, m in model.named_modules() if n.startswith(prefix) and isinstance(m, kinds)]
 
 
 def _leaf(name: str) -> str:
@@ -187,7 +218,9 @@ def resolve_targets(
                 f"module names (its linear layers: {_leaf_names(linears)})"
             )
     else:
-        pool = linears + ([head] if head else [])  # an explicit list may name the output head
+        # an explicit list may also name the output head, or a convolution (peft adapts
+        # Conv1d / 2d / 3d too: a user velocity module's conv layers)
+        pool = linears + _convolutions(model, scope) + ([head] if head else [])
         missing = [e for e in wanted if not any(_matches(n, e) for n in pool)]
         if missing and (every_entry or len(missing) == len(wanted)):
             stacked = (

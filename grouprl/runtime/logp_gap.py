@@ -43,7 +43,9 @@ GAP_BOUNDS: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.
 LIKELY_CAUSES = (
     "the model's head post-processing skipped on one side (logit soft-capping / scaling), an "
     "end-of-turn or chat-template mismatch between the engine's input and the scored tokens, "
-    "stale engine weights (a weight push that failed or did not run), or a dtype mismatch"
+    "stale engine weights (a weight push that failed or did not run), a dtype mismatch, or "
+    "dropout left on in training (train.disable_dropout: false samples and scores with "
+    "different masks: a known gap, set rollout.logp_gap_check: warn to keep it)"
 )
 
 

@@ -100,8 +100,7 @@ def reward_model(
     padding_side: "right" | "left" (default: the tokenizer's); scores do not depend on it
     scale: multiply the logit (default 1.0)
     shift: add after scaling (default 0.0)
-    chat_fallback: "announce" | "error": when the RM's chat template has no system role, fold
-        the system text into the first user message with one warning, or refuse (default announce)
+    chat_fallback: "announce" | "error": no system role in the RM's template: fold it, or refuse
     """
     if dtype not in _DTYPES:
         raise ValueError(

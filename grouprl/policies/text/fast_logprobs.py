@@ -10,7 +10,12 @@ computed with less work:
    the prompt's last position, which predicts completion token 0, is shared the same way. Only the
    (G - 1) / G redundant prompt passes disappear; attention sees the same keys and values.
    Under gradient checkpointing transformers drops the cache in training mode, so there (and
-   when no prompt repeats) the batch runs as [prompt | completion] rows in one pass.
+   when no prompt repeats) the batch runs as [prompt | completion] rows in one pass. So does a
+   decoder whose cache cannot be shared this way (`shared_cache_fits`): a recurrent-state layer
+   (Mamba, gated delta net, linear attention) is overwritten in place by transformers' cache on
+   the completion pass (copy_), which breaks the gradient of the state that pass read, and a
+   family's own cache class (MiniMax's) holds state that DynamicCache.reorder_cache does not
+   expand. The decision is read from the cache the decoder builds, not from family names.
 2. Padding removed before the LM head ("packing"): only the real completion tokens [M, H] go
    through fused_head.py's head (one token chunk of logits at a time, forward and backward).
    The head is the model's own head function (head.py); where that is not exactly a plain
@@ -26,9 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from grouprl.policies.text.fused_head import fused_head_logprobs
-from grouprl.policies.text.head import OutputHead, output_head
+from grouprl.policies.text.head import OutputHead, decoder_of, output_head
 from grouprl.policies.text.positions import (
     LOW_PRECISION_RTOL,
     PROBE_RTOL,
@@ -63,22 +69,41 @@ def _plain_hidden(
     return hidden[:, P - 1 :]  # [N, T, H]
 
 
+# decoders found unable to share a prompt cache (their cache, once built, failed shared_cache_fits)
+_NO_SHARED_CACHE: weakref.WeakSet = weakref.WeakSet()
+
+
+def shared_cache_fits(cache: Any) -> bool:
+    """Whether a decoder's cache can be expanded to a group's rows and run on with autograd:
+    transformers' generic DynamicCache (reorder_cache covers all of its state) made of key/value
+    layers only (a recurrent-state layer is overwritten in place by the next pass)."""
+    layers = getattr(cache, "layers", None) or []
+    return type(cache) is DynamicCache and not any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers
+    )
+
+
 def _shared_prompt_hidden(
     decoder: Any, batch: TokenBatch, runs: Tensor, device: Any, positions: DecoderPositions
-) -> Tensor:
-    """Each distinct prompt once, its cache expanded to its rows, then the completions."""
+) -> Tensor | None:
+    """Each distinct prompt once, its cache expanded to its rows, then the completions; None
+    when the decoder's own cache cannot be shared (shared_cache_fits)."""
+    if not shared_cache_fits(DynamicCache(config=decoder.config)):  # layer kinds, no tensors
+        return None
     first = torch.ones(len(runs), dtype=torch.bool)
     first[1:] = runs[1:] != runs[:-1]  # [N] first row of each run
     p_ids = batch.prompt_ids[first].to(device)  # [B, P]
     p_mask = batch.prompt_mask[first].to(device).long()  # [B, P]
-    cache = DynamicCache(config=decoder.config)
-    h_prompt = decoder(
+    out = decoder(  # the decoder builds its own cache (a family may refuse another cache class)
         input_ids=p_ids,
         attention_mask=p_mask,
         position_ids=positions.position_ids(p_mask),  # [B, P]
-        past_key_values=cache,
         use_cache=True,
-    ).last_hidden_state[:, -1]  # [B, H]: predicts completion token 0 (prompts are left padded)
+    )
+    cache = getattr(out, "past_key_values", None)  # RWKV returns its state under another name
+    if not shared_cache_fits(cache):
+        return None
+    h_prompt = out.last_hidden_state[:, -1]  # [B, H]: predicts completion token 0 (left padded)
     rows = runs.to(device)  # [N]
     h_first = h_prompt.index_select(0, rows)[:, None]  # [N, 1, H]
     T = batch.completion_ids.shape[1]
@@ -102,14 +127,22 @@ def _shared_prompt_hidden(
 def completion_hidden(model: Any, batch: TokenBatch) -> Tensor:
     """The decoder states that predict each completion token, [N, T, H] (see module docstring)."""
     device = next(model.parameters()).device
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     positions = decoder_positions(model)  # the model's position convention (positions.py)
     if not positions.left_padding:  # left padding not representable: left-aligned rows
         return aligned_hidden(decoder, batch, device)
     runs = prompt_runs(batch.prompt_ids, batch.prompt_mask)  # [N]
     checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
-    if int(runs[-1]) + 1 < len(runs) and not checkpointing and shares_prompt_cache(model):
-        return _shared_prompt_hidden(decoder, batch, runs, device, positions)
+    if (
+        int(runs[-1]) + 1 < len(runs)
+        and not checkpointing
+        and decoder not in _NO_SHARED_CACHE
+        and shares_prompt_cache(model)
+    ):
+        hidden = _shared_prompt_hidden(decoder, batch, runs, device, positions)
+        if hidden is not None:
+            return hidden
+        _NO_SHARED_CACHE.add(decoder)  # decided once per decoder: the one-pass path from now on
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
     return _plain_hidden(decoder, ids, mask, batch.prompt_ids.shape[1], positions)
@@ -126,7 +159,7 @@ def shares_prompt_cache(model: Any) -> bool:
     hybrid decoders (mamba2, recurrent_gemma) keep a state of their own that `reorder_cache` does
     not expand, and some widen the mask of a cached continuation (GIT adds its image tokens). For
     those the fast path runs the one-pass layout (still packed, still the fused head)."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     found = _SHARES_CACHE.get(decoder)
     if found is None:
         left_padding = decoder_positions(model).left_padding  # else rows are never cached
@@ -155,6 +188,8 @@ def _probe_cache(model: Any, decoder: Any) -> bool:
             try:
                 shared = _shared_prompt_hidden(decoder, batch, runs, param.device, positions)
             except Exception:  # noqa: BLE001 - any failure of the cached continuation: one pass
+                return False
+            if shared is None:  # a cache that cannot be shared (shared_cache_fits)
                 return False
     finally:
         decoder.train(was_training)

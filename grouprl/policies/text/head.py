@@ -130,15 +130,30 @@ class OutputHead:
         return iter(out)
 
 
+def decoder_of(model: Any) -> Any:
+    """The module whose output states grouprl computes (the decoder): transformers'
+    `get_decoder()`, except where that returns the model itself (a causal LM whose
+    `base_model_prefix` names no attribute of it, as Llama 4's and Mllama's text models); then
+    the model's child that holds its input embeddings (the body its forward runs)."""
+    body = model.get_decoder()
+    if body is not model:
+        return body
+    emb = model.get_input_embeddings()
+    for child in model.children():
+        if any(m is emb for m in child.modules()):
+            return child
+    return body
+
+
 # model -> (signature, OutputHead): derived once per model object and head module
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def output_head(model: Any, body: Any = None) -> OutputHead:
     """The head function of `model` (a transformers model, peft unwrapped) after `body` (None:
-    `model.get_decoder()`). Cached per model; derived again when the body or the output
+    `decoder_of(model)`). Cached per model; derived again when the body or the output
     embeddings module changed (e.g. a LoRA layer wrapped the LM head)."""
-    body = model.get_decoder() if body is None else body
+    body = decoder_of(model) if body is None else body
     emb = model.get_output_embeddings()
     signature = (id(body), id(emb), type(emb))
     cached = _CACHE.get(model)
@@ -150,12 +165,33 @@ def output_head(model: Any, body: Any = None) -> OutputHead:
 
 
 def _derive(model: Any, body: Any, emb: Any) -> OutputHead:
-    where = _parent_of(model, body)
-    if where is None:
+    """The head after `body`; where the forward does not run with the body itself stood in (an
+    image-text-to-text model whose inner model asks its language model for the input embeddings:
+    Gemma 3, GOT-OCR2, Fuyu), the enclosing modules up to the model's child are tried in turn;
+    the forward reads only their output states, which are the body's."""
+    chain = _enclosing(model, body)
+    if not chain:
         raise HeadUnavailable(
             f"{type(model).__name__}: its decoder ({type(body).__name__}) is not a submodule of "
             "the model, so its forward cannot be run on given states"
         )
+    first: Exception | None = None
+    for where in chain:
+        try:
+            return _derive_at(model, where, emb)
+        except Exception as e:
+            first = first or e
+    assert first is not None
+    if isinstance(first, HeadUnavailable):
+        raise first
+    text = str(first).strip()
+    raise HeadUnavailable(
+        f"{type(model).__name__}'s forward does not run on given decoder states "
+        f"({type(first).__name__}: {text.splitlines()[0] if text else ''})"
+    ) from first
+
+
+def _derive_at(model: Any, where: tuple[torch.nn.Module, str], emb: Any) -> OutputHead:
     head = OutputHead(model, *where)
     hidden_size = _hidden_size(model, emb)
     param = next(model.parameters())
@@ -164,15 +200,7 @@ def _derive(model: Any, body: Any, emb: Any) -> OutputHead:
     probe = torch.randn(1, len(PROBE_LOGIT_SCALES), hidden_size, generator=gen)  # [1, 4, H]
     probe = probe.to(device=param.device, dtype=dtype)
     with torch.no_grad():
-        try:
-            via_forward = head.through_forward(probe)  # [1, 4, V]
-        except HeadUnavailable:
-            raise
-        except Exception as e:  # a forward that does not run on given states: say which and why
-            raise HeadUnavailable(
-                f"{type(model).__name__}'s forward does not run on given decoder states "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
-            ) from e
+        via_forward = head.through_forward(probe)  # [1, 4, V]
         if type(emb) is torch.nn.Linear and via_forward.shape[-1] == emb.out_features:
             # rows rescaled so their largest bare logit is each of PROBE_LOGIT_SCALES
             bare = emb(probe).float().abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [1, 4, 1]
@@ -183,15 +211,18 @@ def _derive(model: Any, body: Any, emb: Any) -> OutputHead:
     return head
 
 
-def _parent_of(model: Any, body: Any) -> tuple[torch.nn.Module, str] | None:
-    """(parent module, attribute name) of `body` inside `model`, or None."""
-    if body is model:
-        return None
-    for _, parent in model.named_modules():
-        for name, child in parent._modules.items():
-            if child is body:
-                return parent, name
-    return None
+def _enclosing(model: Any, body: Any) -> list[tuple[torch.nn.Module, str]]:
+    """(parent, attribute name) of `body` and of each module enclosing it up to the model's own
+    child, innermost first; [] when `body` is not a submodule of `model`."""
+    path = next((n for n, m in model.named_modules() if m is body and n), None)
+    if path is None:
+        return []
+    parts = path.split(".")
+    out = []
+    for depth in range(len(parts), 0, -1):
+        parent = model.get_submodule(".".join(parts[: depth - 1]))
+        out.append((parent, parts[depth - 1]))
+    return out
 
 
 def _hidden_size(model: Any, emb: Any) -> int:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from grouprl.policies.text.head import output_head
+from grouprl.policies.text.head import decoder_of, output_head
 from grouprl.policies.text.positions import aligned_hidden, decoder_positions, left_aligned
 from grouprl.types import TokenBatch
 
@@ -203,7 +203,7 @@ def completion_hidden(model: Any, batch: TokenBatch) -> tuple[Tensor, torch.devi
         raise ValueError(f"log-probs need >= 1 prompt and completion column, got P={P}, T={T}")
     positions = decoder_positions(model)  # the model's position convention (positions.py)
     if not positions.left_padding:
-        return aligned_hidden(model.get_decoder(), batch, device), device
+        return aligned_hidden(decoder_of(model), batch, device), device
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
     # Position of each token among the real tokens of its row (plus the model's offset), so left
@@ -211,7 +211,7 @@ def completion_hidden(model: Any, batch: TokenBatch) -> tuple[Tensor, torch.devi
     # are not).
     position_ids = positions.position_ids(mask)  # [N, P+T]
     # The last completion token predicts nothing we score, so it is not fed.
-    hidden = model.get_decoder()(
+    hidden = decoder_of(model)(
         input_ids=ids[:, :-1],
         attention_mask=mask[:, :-1].long(),
         position_ids=position_ids[:, :-1],

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grouprl.policies.text.head import decoder_of
 from grouprl.types import TokenBatch
 
 # relative bound on |padded - unpadded| / max|unpadded| of the decoder's last hidden states
@@ -60,7 +61,7 @@ _CACHE: weakref.WeakKeyDictionary[Any, DecoderPositions] = weakref.WeakKeyDictio
 def decoder_positions(model: Any) -> DecoderPositions:
     """The position convention of `model`'s decoder (a transformers causal LM, peft adapters
     injected in place are fine); probed on first use and remembered for the model."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     found = _CACHE.get(decoder)
     if found is None:
         found = _CACHE[decoder] = _probe(decoder, model.config.get_text_config())

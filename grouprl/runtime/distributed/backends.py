@@ -124,11 +124,11 @@ class FSDP2(_PlainCopy):
 
     def stream_full_weights(self) -> tuple[list[tuple], dict[str, list[str]]]:
         """(name, shape, dtype, get) per distinct parameter under its transformers name, and the
-        other names of tied parameters (vllm_push.unique_parameters: a tied head travels once,
+        other names of tied parameters (policies/tied.unique_parameters: a tied head travels once,
         the server hands it to vLLM under the names vLLM has modules for): `get()` gathers that
         one parameter (an all-gather of every process, in the same order everywhere) for a
         weight push to a vllm_server, so a push never holds more than one full parameter."""
-        from grouprl.policies.text.engines.vllm_push import unique_parameters
+        from grouprl.policies.tied import unique_parameters
 
         params, aliases = unique_parameters(self.module)
         out = []
@@ -223,7 +223,7 @@ class DeepSpeed(_PlainCopy):
             return None
         import deepspeed
 
-        from grouprl.policies.text.engines.vllm_push import unique_parameters
+        from grouprl.policies.tied import unique_parameters
 
         def gather(p: Any) -> torch.Tensor:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):

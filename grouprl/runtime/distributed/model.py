@@ -39,7 +39,8 @@ def _policy_attr(name: str, settable: bool = False) -> property:
 _TEXT_POLICY = {
     "model": _policy_attr("model"), "tokenizer": _policy_attr("tokenizer"),
     "engine": _policy_attr("engine"), "lora": _policy_attr("lora"),
-    "logprob_path": _policy_attr("logprob_path"),
+    "logprob_path": _policy_attr("logprob_path"), "stop_ids": _policy_attr("stop_ids"),
+    "lora_targets": _policy_attr("lora_targets"), "head_note": _policy_attr("head_note"),
     "logprob_chunk_size": _policy_attr("logprob_chunk_size"),
     "compute_dtype": _policy_attr("compute_dtype"),
     "prompt_token_limit": _policy_attr("prompt_token_limit", settable=True),  # prompt_guard.py

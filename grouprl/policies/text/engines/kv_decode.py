@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from grouprl.policies.text.fast_logprobs import shares_prompt_cache
-from grouprl.policies.text.head import output_head
+from grouprl.policies.text.head import decoder_of, output_head
 from grouprl.policies.text.positions import decoder_positions
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -114,7 +114,7 @@ def static_kv_unsupported(model: Any, capacity: int) -> str | None:
     window = getattr(config, "sliding_window", None)  # qwen2 sets it to None when unused
     if window is not None and window < capacity:
         return f"sliding window {window} < {capacity} cached positions"
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     if not all(hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "the decoder lacks embed_tokens / layers / norm / rotary_emb"
     return None
@@ -128,7 +128,7 @@ class StaticKVDecoder(KVDecoder):
         if reason is not None:
             raise ValueError(f"StaticKVDecoder: {reason}")
         self.capacity = capacity
-        self.base = model.get_decoder()
+        self.base = decoder_of(model)
         self.head = output_head(model)  # the model's own head function (head.py)
         config = model.config
         self.layers = list(self.base.layers[: config.num_hidden_layers])

@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 
-# (name, tensor) pairs plus {first name: [other names of the same tensor]}
-Aliases = dict[str, list[str]]
+# (name, tensor) pairs plus {first name: [other names of the same tensor]}; unique_parameters
+# is re-exported for the tests and callers of this module
+from grouprl.policies.tied import Aliases, unique_parameters  # noqa: F401
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -107,21 +108,6 @@ def unique_tensors(
             continue
         first[key] = name
         items.append((name, t))
-    return items, aliases
-
-
-def unique_parameters(module: torch.nn.Module) -> tuple[list[tuple[str, Any]], Aliases]:
-    """(name, parameter) of each distinct parameter of a (sharded) module by object identity, and
-    the aliases of the tied ones: the names a parameter stream (FSDP2 / ZeRO-3) announces."""
-    first: dict[int, str] = {}
-    items: list[tuple[str, Any]] = []
-    aliases: Aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases.setdefault(first[id(p)], []).append(name)
-            continue
-        first[id(p)] = name
-        items.append((name, p))
     return items, aliases
 
 
