@@ -4,6 +4,7 @@
   (grouprl.policies.text.tiny.save_tiny with default sizes, seed 0); session-scoped, read-only by convention.
 - `tiny_tokenizer`: a fresh `char_tokenizer()` (function-scoped, cheap).
 - `tiny_model`: a fresh fp32 `tiny_qwen2(char_tokenizer())` in eval mode (function-scoped, seed 0).
+- `replica`: `get(name) -> folder` of grouprl.replicas' `name`, built once per test module.
 
 Tests use one intra-op thread: the models are tiny, and on a small shared CPU extra threads
 mostly spin against each other (a 64-wide matmul got ~50x slower under load with 2 threads).
@@ -36,6 +37,22 @@ def tiny_model(tiny_tokenizer):
 
 # ---- reliability counts (fuzz targets, hostile snippets): printed once at the end of the session
 _RELIABILITY_COUNTS: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """get(name) -> the folder of replica `name` (grouprl.replicas.build_replica), built on first
+    use and shared by the module's tests."""
+    from grouprl.replicas import build_replica
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = build_replica(name, tmp_path_factory.mktemp(name.replace(".", "_")))
+        return made[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ from safetensors import safe_open
 
 import grouprl.train as train_mod
 from grouprl.cli import main
-from grouprl.replicas.text import build
 from grouprl.types import TokenBatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,18 +101,6 @@ def test_every_shipped_text_config_has_a_case():
     shipped = {p.relative_to(ROOT / "configs").as_posix() for d in ("text", "agents")
                for p in (ROOT / "configs" / d).glob("*.yaml")}  # fmt: skip
     assert shipped == {c.config for c in CASES + VLLM_CASES}
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = build(family, tmp_path_factory.mktemp("replica") / family)
-        return made[family]
-
-    return get
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ import grouprl.train as train_mod
 from grouprl.cli import main
 from grouprl.policies.text.engines.base import SamplingParams
 from grouprl.policies.vision.policy import VisionLMPolicy
-from grouprl.replicas import build_replica
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,18 +99,6 @@ def _sharpen(policy: VisionLMPolicy) -> None:
         for p in policy.model.parameters():
             if p.dim() > 1:
                 p.mul_(4.0)
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = build_replica(family, tmp_path_factory.mktemp("replica") / family)
-        return made[family]
-
-    return get
 
 
 # --------------------------------------------------------------------------- 1. replicas

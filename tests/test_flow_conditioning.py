@@ -20,19 +20,6 @@ from grouprl.config.loading import ConfigError, validate
 from grouprl.policies.flow.models import FAMILIES, pack_flux, predict, unpack_flux
 from grouprl.policies.flow.text_encoders import PromptEncoder
 from grouprl.policies.flow.types import FlowCondition
-from grouprl.replicas import build_replica
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = build_replica(name, tmp_path_factory.mktemp(name.replace(".", "_")))
-        return built[name]
-
-    return get
 
 
 def _capture(module):

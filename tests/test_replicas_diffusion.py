@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grouprl.replicas import REPLICAS, build_replica
+from grouprl.replicas import REPLICAS
 from grouprl.replicas.bpe import byte_alphabet, clip_vocab
 
 PIPELINES = {
@@ -54,18 +54,6 @@ TOKENIZER_FILES = {
 }
 # the dtype a pipeline is loaded in, as its model card does (Qwen-Image's folder is bfloat16)
 LOAD_DTYPE = {"qwen-image": torch.bfloat16}
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = build_replica(name, tmp_path_factory.mktemp(name.replace(".", "_")))
-        return built[name]
-
-    return get
 
 
 def _size_mb(folder):

@@ -705,12 +705,12 @@ def qwen_image_tokenizer() -> tuple[Any, dict, list]:
     from transformers import Qwen2Tokenizer
 
     from grouprl.replicas.chat_templates import QWEN2_VL
-    from grouprl.replicas.text import _QWEN_REGEX, _VOCAB, _split_byte_level
+    from grouprl.replicas.text import BPE_VOCAB, QWEN_REGEX, split_byte_level
     from grouprl.replicas.vision import QWEN2_VL_ADDED
 
     bpe = Tokenizer(models.BPE())
-    bpe.normalizer, bpe.pre_tokenizer = normalizers.NFC(), _split_byte_level(_QWEN_REGEX)
-    trainer = trainers.BpeTrainer(vocab_size=_VOCAB, show_progress=False,
+    bpe.normalizer, bpe.pre_tokenizer = normalizers.NFC(), split_byte_level(QWEN_REGEX)
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     roles = ["system\n", "user\n", "assistant\n"]  # the ChatML role names, whole words
     bpe.train_from_iterator(CORPUS * 4 + ([QWEN_IMAGE_SYSTEM, *roles]) * 8, trainer)

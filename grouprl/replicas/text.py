@@ -44,7 +44,7 @@ import torch
 from grouprl.replicas.chat_templates import TEMPLATES
 
 SEED = 0
-_VOCAB = 640  # learned BPE vocabulary (before special tokens)
+BPE_VOCAB = 640  # learned BPE vocabulary (before special tokens)
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A tiny model learns to add numbers.",
     "Question: What is 12 + 30? Answer: 42. #### 42",
@@ -88,7 +88,7 @@ def _train_bpe(
     return model["vocab"], merges
 
 
-_QWEN_REGEX = (
+QWEN_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -98,7 +98,7 @@ _LLAMA3_REGEX = (
 )
 
 
-def _split_byte_level(regex: str) -> Any:
+def split_byte_level(regex: str) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
     return pre_tokenizers.Sequence(
@@ -130,7 +130,7 @@ def qwen_tokenizer(added: list[tuple[str, bool]], template: str) -> Any:
     from tokenizers import AddedToken, normalizers
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_bpe(_split_byte_level(_QWEN_REGEX), _VOCAB, normalizers.NFC())
+    vocab, merges = _train_bpe(split_byte_level(QWEN_REGEX), BPE_VOCAB, normalizers.NFC())
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -165,9 +165,9 @@ def _llama3_tokenizer() -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = _train_bpe(_split_byte_level(_LLAMA3_REGEX), _VOCAB)
+    vocab, merges = _train_bpe(split_byte_level(_LLAMA3_REGEX), BPE_VOCAB)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tk.pre_tokenizer = _split_byte_level(_LLAMA3_REGEX)
+    tk.pre_tokenizer = split_byte_level(_LLAMA3_REGEX)
     tk.decoder = decoders.ByteLevel()
     specials = _LLAMA3_NAMED + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
@@ -211,7 +211,7 @@ def _mistral_tokenizer() -> Any:
         # trained word by word (pieces never cross a space, as sentencepiece's); the tokenizer
         # itself runs Metaspace without splitting, as LlamaTokenizer sets it up
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
-        _VOCAB,
+        BPE_VOCAB,
         byte_level=False,  # sentencepiece pieces are text; other characters fall back to bytes
     )
     controls = _MISTRAL_NAMED + [f"[control_{i}]" for i in range(8, 769)]
@@ -240,7 +240,7 @@ def _gpt2_tokenizer() -> Any:
     from tokenizers import pre_tokenizers
     from transformers import GPT2Tokenizer
 
-    vocab, merges = _train_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), _VOCAB)
+    vocab, merges = _train_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), BPE_VOCAB)
     vocab = dict(vocab)
     vocab["<|endoftext|>"] = len(vocab)  # GPT-2's only special token is its last id
     tok = GPT2Tokenizer(
@@ -467,7 +467,7 @@ def _gemma_tokenizer() -> Any:
 
     learned, merges = _train_bpe(
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
-        _VOCAB,
+        BPE_VOCAB,
         byte_level=False,
     )
     controls = [*_GEMMA_FIRST, "<unused99>", *_GEMMA_TURN]
@@ -527,7 +527,7 @@ def _phi3_tokenizer() -> Any:
 
     learned, merges = _train_bpe(
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
-        _VOCAB,
+        BPE_VOCAB,
         byte_level=False,
     )
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}

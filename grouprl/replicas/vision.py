@@ -51,7 +51,7 @@ import torch
 
 from grouprl.replicas.chat_templates import LLAVA15, QWEN2_VL
 from grouprl.replicas.text import (
-    _VOCAB,
+    BPE_VOCAB,
     QWEN25_ADDED,
     SEED,
     TINY_DECODER,
@@ -219,7 +219,7 @@ def _llama2_tokenizer() -> Any:
 
     learned, merges = _train_bpe(
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
-        _VOCAB,
+        BPE_VOCAB,
         byte_level=False,
     )
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}

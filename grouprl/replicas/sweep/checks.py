@@ -100,9 +100,9 @@ def build(kind: str, model_type: str) -> Any:
 
 
 def special_ids(config: Any) -> set[int]:
-    from grouprl.replicas.sweep.tiny import _token_ids
+    from grouprl.replicas.sweep.tiny import special_token_ids
 
-    return set(_token_ids(config.to_dict()))
+    return set(special_token_ids(config.to_dict()))
 
 
 def sweep_batch(model: Any, vision: bool, seed: int = 0) -> TokenBatch:

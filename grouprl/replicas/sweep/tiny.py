@@ -81,12 +81,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _token_ids(d: dict) -> list[int]:
+def special_token_ids(d: dict) -> list[int]:
     """Every special-token id a config dict names (any depth)."""
     ids = []
     for k, v in d.items():
         if isinstance(v, dict):
-            ids += _token_ids(v)
+            ids += special_token_ids(v)
         elif isinstance(k, str) and k.endswith(("token_id", "token_index", "token_ids")):
             ids += (
                 [v] if _is_int(v) else [x for x in v if _is_int(x)] if isinstance(v, list) else []
@@ -211,7 +211,7 @@ def shrink(d: dict) -> dict:
             rope["mrope_section"] = _rescale(rope["mrope_section"], HEAD_DIM // 2)
     for k in [k for k in d if isinstance(k, str) and "vocab_size" in k]:
         if _is_int(d[k]) and d[k] > VOCAB:
-            d[k] = max(VOCAB, max(_token_ids(d), default=0) + 1)
+            d[k] = max(VOCAB, max(special_token_ids(d), default=0) + 1)
     return d
 
 
@@ -236,7 +236,7 @@ def small_ids(d: dict) -> dict:
     """Special-token ids at or past VOCAB renumbered from VOCAB - 1 down (distinct ids stay
     distinct, every field naming the same id gets the same new one), so a family whose image /
     control tokens sit at the end of a 150k-260k vocabulary keeps a vocabulary of VOCAB."""
-    ids = set(_token_ids(d))
+    ids = set(special_token_ids(d))
     big = sorted(i for i in ids if i >= VOCAB)
     free = [i for i in range(VOCAB - 1, -1, -1) if i not in ids]
     return _remap_ids(d, dict(zip(big, free))) if big else d
@@ -253,7 +253,7 @@ def tiny_config(model_type: str, causal: bool = True) -> Any:
     if causal and "is_decoder" in d and not d.get("is_encoder_decoder"):
         d["is_decoder"] = True
     # a sub-config's vocabulary must hold the ids its parent config names (image tokens ...)
-    top = max(_token_ids(d), default=0) + 1
+    top = max(special_token_ids(d), default=0) + 1
     for sub in d.values():
         if not isinstance(sub, dict):
             continue
