@@ -69,10 +69,6 @@ def _plain_hidden(
     return hidden[:, P - 1 :]  # [N, T, H]
 
 
-# decoders found unable to share a prompt cache (their cache, once built, failed shared_cache_fits)
-_NO_SHARED_CACHE: weakref.WeakSet = weakref.WeakSet()
-
-
 def shared_cache_fits(cache: Any) -> bool:
     """Whether a decoder's cache can be expanded to a group's rows and run on with autograd:
     transformers' generic DynamicCache (reorder_cache covers all of its state) made of key/value
@@ -136,13 +132,11 @@ def completion_hidden(model: Any, batch: TokenBatch) -> Tensor:
     if (
         int(runs[-1]) + 1 < len(runs)
         and not checkpointing
-        and decoder not in _NO_SHARED_CACHE
-        and shares_prompt_cache(model)
+        and shares_prompt_cache(model)  # probed once per model (runs the path below once)
     ):
         hidden = _shared_prompt_hidden(decoder, batch, runs, device, positions)
         if hidden is not None:
             return hidden
-        _NO_SHARED_CACHE.add(decoder)  # decided once per decoder: the one-pass path from now on
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1).to(device)  # [N, P+T]
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).to(device)  # [N, P+T]
     return _plain_hidden(decoder, ids, mask, batch.prompt_ids.shape[1], positions)
